@@ -1,0 +1,24 @@
+"""flash_ext: exact attention for NVIDIA Hopper (sm_90a).
+
+    out, lse = flash_ext.forward(q, k, v, softmax_scale=None, causal=False)
+
+q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), fp16 or bf16 on an
+sm_90 GPU. `flash_ext.reference` holds the float64 reference and the CPU emulation of the kernel's
+online softmax.
+"""
+from . import reference
+from .interface import SUPPORTED_HEADDIMS, build_info, extension_available, forward, kernel_headdim
+from .reference import attention_ref
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "forward",
+    "attention_ref",
+    "reference",
+    "build_info",
+    "extension_available",
+    "kernel_headdim",
+    "SUPPORTED_HEADDIMS",
+    "__version__",
+]

@@ -1,0 +1,313 @@
+"""Pure-PyTorch attention references and a step-for-step emulation of the kernel's online softmax.
+
+Layout everywhere: q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_kv, headdim),
+nheads a multiple of nheads_kv (query head h reads kv head h // (nheads // nheads_kv)). The causal mask is
+aligned to the bottom-right corner: query i sees keys j <= i + seqlen_k - seqlen_q. Queries that see no key
+get out = 0 and lse = -inf.
+
+- attention_ref: the float64 ground truth (out, lse).
+- attention_lowp: attention in the inputs' own dtype, the yardstick of FlashAttention's error rule
+  (the kernel's max error vs attention_ref must stay within ~2x that of attention_lowp).
+- softmax_three_pass / softmax_online_two_pass: the seed's strategies 1 and 2 on the rows of a 2-D tensor.
+- OnlineSoftmax / attention_tiled: strategy 3, the kernel's single-pass tiled loop (Softmax<kNRows, Max_offset>
+  of hopper/softmax.h and the mainloop's call order), for checking its numerics on the CPU.
+"""
+import math
+
+import torch
+
+# Largest score tensor (bytes) one chunk of attention_ref/attention_lowp may build; a few temporaries of this
+# size live at once, so a chunk stays well under ~512 MiB even for 4k x 4k with many heads.
+_CHUNK_BYTES = 128 * 1024 * 1024
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_QUAD = 4  # threads of a quad sharing one accumulator row in the GMMA layout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------------------------
+
+def _check_shapes(q, k, v):
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"expected q (b, sq, h, d) and k, v (b, sk, h_kv, d), got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"incompatible q {tuple(q.shape)} and k/v {tuple(k.shape)}")
+
+
+def _default_scale(softmax_scale, headdim):
+    return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+
+
+def _heads_first(q, k, v, dtype):
+    """Flatten to (batch*nheads, seqlen, headdim) in `dtype`, with k/v gathered per query head (GQA/MQA)."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_kv = k.shape[2]
+    group = nheads // nheads_kv
+    qf = q.to(dtype).transpose(1, 2).reshape(batch * nheads, seqlen_q, headdim)
+    kf = k.to(dtype).transpose(1, 2).reshape(batch * nheads_kv, k.shape[1], headdim)
+    vf = v.to(dtype).transpose(1, 2).reshape(batch * nheads_kv, v.shape[1], headdim)
+    head = torch.arange(batch * nheads, device=q.device)
+    kv_index = (head // nheads) * nheads_kv + (head % nheads) // group
+    return qf, kf, vf, kv_index
+
+
+def _visible(rows, cols, seqlen_q, seqlen_k, causal):
+    """Boolean (len(rows), len(cols)): which keys each query row may attend to."""
+    visible = (cols < seqlen_k)[None, :].expand(len(rows), len(cols))
+    if causal:
+        visible = visible & (cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q))
+    return visible
+
+
+def _chunks(num_heads, seqlen_q, seqlen_k, elem_bytes):
+    """Yield (head slice, row slice) pieces whose (heads, rows, seqlen_k) score tensor fits _CHUNK_BYTES."""
+    rows_fit = max(1, _CHUNK_BYTES // (seqlen_k * elem_bytes))
+    if rows_fit >= seqlen_q:  # whole heads fit: take as many as possible at once
+        heads_fit = rows_fit // seqlen_q
+        for h0 in range(0, num_heads, heads_fit):
+            yield slice(h0, min(h0 + heads_fit, num_heads)), slice(0, seqlen_q)
+    else:  # very long sequences: one head at a time, in row chunks
+        for h in range(num_heads):
+            for r0 in range(0, seqlen_q, rows_fit):
+                yield slice(h, h + 1), slice(r0, min(r0 + rows_fit, seqlen_q))
+
+
+def _to_bshd(x_flat, batch, nheads):
+    """(batch*nheads, seqlen, headdim) -> (batch, seqlen, nheads, headdim)."""
+    return x_flat.reshape(batch, nheads, *x_flat.shape[1:]).transpose(1, 2).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# References
+# ----------------------------------------------------------------------------------------------------------
+
+def attention_ref(q, k, v, softmax_scale=None, causal=False):
+    """Exact attention in float64. Returns out (b, sq, h, d) and lse (b, h, sq), both float64."""
+    _check_shapes(q, k, v)
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    scale = _default_scale(softmax_scale, headdim)
+    qf, kf, vf, kv_index = _heads_first(q, k, v, torch.float64)
+    out = torch.zeros_like(qf)
+    lse = torch.full((batch * nheads, seqlen_q), -math.inf, dtype=torch.float64, device=q.device)
+    cols = torch.arange(seqlen_k, device=q.device)
+    for heads, rows in _chunks(batch * nheads, seqlen_q, seqlen_k, elem_bytes=8):
+        kv = kv_index[heads]
+        scores = torch.matmul(qf[heads, rows], kf[kv].transpose(-1, -2)) * scale
+        if causal:
+            row_ids = torch.arange(rows.start, rows.stop, device=q.device)
+            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal), -math.inf)
+        row_lse = torch.logsumexp(scores, dim=-1)  # -inf for rows that see no key
+        # Subtract 0 instead of -inf on such rows: exp(-inf - 0) = 0 gives out = 0 rather than NaN.
+        # In place, so that a chunk holds a single score-sized tensor.
+        probs = scores.sub_(torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None]).exp_()
+        out[heads, rows] = torch.matmul(probs, vf[kv])
+        lse[heads, rows] = row_lse
+    return _to_bshd(out, batch, nheads), lse.reshape(batch, nheads, seqlen_q)
+
+
+def attention_lowp(q, k, v, softmax_scale=None, causal=False):
+    """Attention as PyTorch computes it in the inputs' dtype (e.g. fp16/bf16): the baseline of the error rule.
+
+    As PyTorch's math attention computes it: (q * scale) K^T and P V are matmuls in the input dtype, the
+    softmax runs in float32 and P is cast back to that dtype. Queries that see no key give 0 (SDPA would give NaN).
+    Returns out only, (batch, seqlen_q, nheads, headdim) in q's dtype.
+    """
+    _check_shapes(q, k, v)
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    scale = _default_scale(softmax_scale, headdim)
+    qf, kf, vf, kv_index = _heads_first(q, k, v, q.dtype)
+    out = torch.zeros_like(qf)
+    cols = torch.arange(seqlen_k, device=q.device)
+    for heads, rows in _chunks(batch * nheads, seqlen_q, seqlen_k, elem_bytes=4):
+        kv = kv_index[heads]
+        scores = torch.matmul(qf[heads, rows] * scale, kf[kv].transpose(-1, -2))
+        if causal:
+            row_ids = torch.arange(rows.start, rows.stop, device=q.device)
+            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal), -math.inf)
+        probs = torch.softmax(scores.float(), dim=-1).nan_to_num_(nan=0.0).to(q.dtype)  # all -inf row: NaN -> 0
+        out[heads, rows] = torch.matmul(probs, vf[kv])
+    return _to_bshd(out, batch, nheads)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The seed's strategies 1 and 2 (rows of a 2-D tensor)
+# ----------------------------------------------------------------------------------------------------------
+
+def softmax_three_pass(x):
+    """Safe softmax: pass 1 row max, pass 2 sum of exp(x - max), pass 3 normalize.
+
+    A row that is all -inf returns all zeros (torch.softmax gives NaN); this matches the kernel, whose
+    finalize() turns a zero sum into a zero output.
+    """
+    row_max = x.max(dim=-1, keepdim=True).values
+    row_max = torch.where(row_max == -math.inf, 0.0, row_max)  # all -inf row: exp(-inf - 0) = 0, not NaN
+    row_sum = torch.exp(x - row_max).sum(dim=-1, keepdim=True)
+    inv_sum = torch.where(row_sum == 0, 0.0, 1.0 / row_sum)
+    return torch.exp(x - row_max) * inv_sum
+
+
+def softmax_online_two_pass(x):
+    """Milakov & Gimelshein: pass 1 fuses max and sum in one sweep over the columns, pass 2 normalizes.
+
+    The sweep is a Python loop over columns, vectorised over rows. An all -inf row returns all zeros,
+    like softmax_three_pass.
+    """
+    rows, ncols = x.shape
+    row_max = torch.full((rows,), -math.inf, dtype=x.dtype, device=x.device)
+    row_sum = torch.zeros(rows, dtype=x.dtype, device=x.device)
+    for j in range(ncols):
+        new_max = torch.maximum(row_max, x[:, j])
+        # While a row has seen only -inf, use 0 as its max: avoids (-inf) - (-inf) = NaN, and exp(-inf) = 0.
+        safe_max = torch.where(new_max == -math.inf, 0.0, new_max)
+        row_sum = torch.exp(row_max - safe_max) * row_sum + torch.exp(x[:, j] - safe_max)
+        row_max = new_max
+    safe_max = torch.where(row_max == -math.inf, 0.0, row_max)
+    inv_sum = torch.where(row_sum == 0, 0.0, 1.0 / row_sum)
+    return torch.exp(x - safe_max[:, None]) * inv_sum[:, None]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Strategy 3: the kernel's single-pass online softmax
+# ----------------------------------------------------------------------------------------------------------
+
+def _quad_lane_columns(scores):
+    """(..., rows, n) -> (..., rows, 4, n_per_lane): the columns each quad lane holds, in its own order.
+
+    In the Hopper GMMA accumulator layout lane l of a quad holds columns 8*i + 2*l + {0, 1}, i.e. column c
+    belongs to lane (c % 8) // 2. Zero columns pad n to a multiple of 8; adding 0 leaves a sum unchanged.
+    """
+    n = scores.shape[-1]
+    padded = torch.nn.functional.pad(scores, (0, (-n) % 8))
+    groups = padded.reshape(*padded.shape[:-1], -1, _QUAD, 2)  # (..., rows, n/8, lane, 2)
+    return groups.movedim(-2, -3).reshape(*padded.shape[:-1], _QUAD, -1)
+
+
+class OnlineSoftmax:
+    """PyTorch mirror of hopper/softmax.h's Softmax<kNRows, Max_offset>, vectorised over any leading dims.
+
+    scores are (..., rows, kBlockN) raw Q K^T blocks (unscaled). row_max is (..., rows). row_sum holds the
+    4 per-lane partial sums, (..., rows, 4), exactly as the quad's threads keep them in registers; they are
+    reduced across the quad only in finalize(), after which row_sum is the LSE, (..., rows).
+    """
+
+    def __init__(self, softmax_scale_log2, max_offset=0):
+        self.softmax_scale_log2 = softmax_scale_log2
+        self.max_offset = max_offset
+        self.row_max = None
+        self.row_sum = None
+
+    def max_get_scale(self, scores, is_first, check_inf=False):
+        """Update row_max with this block; return the factor that rescales the old row_sum and acc_o."""
+        block_max = scores.max(dim=-1).values
+        if is_first:
+            self.row_max = block_max
+            return torch.ones_like(block_max)
+        prev_max = self.row_max
+        self.row_max = torch.maximum(prev_max, block_max)
+        cur_max = self.row_max
+        if check_inf:  # a row still fully masked: make (-inf) - (-inf) into (-inf) - 0 so the scale is 0, not NaN
+            cur_max = torch.where(cur_max == -math.inf, 0.0, cur_max)
+        scores_scale = torch.exp2((prev_max - cur_max) * self.softmax_scale_log2)
+        self.row_sum = self.row_sum * scores_scale[..., None]  # each lane rescales its own partial
+        return scores_scale
+
+    def online_softmax(self, scores, is_first, check_inf=False):
+        """In place: scores = exp2(scores * scale_log2 - max_scaled), i.e. P * 2^max_offset; returns it.
+
+        Adds each lane's columns into its own partial sum, column by column in the thread's order
+        (warp_reduce=false in the kernel: no cross-thread traffic in the main loop).
+        """
+        max_scaled = self.row_max * self.softmax_scale_log2 - self.max_offset
+        if check_inf:  # fully masked row: exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN
+            max_scaled = torch.where(self.row_max == -math.inf, 0.0, max_scaled)
+        # The kernel fuses the multiply-subtract into one FFMA; two roundings here only matter below float64.
+        scores.mul_(self.softmax_scale_log2).sub_(max_scaled[..., None]).exp2_()
+        lane_cols = _quad_lane_columns(scores)
+        partial = lane_cols[..., 0] if is_first else self.row_sum + lane_cols[..., 0]
+        for j in range(1, lane_cols.shape[-1]):
+            partial = partial + lane_cols[..., j]
+        self.row_sum = partial
+        return scores
+
+    @staticmethod
+    def rescale_o(acc_o, scores_scale):
+        """In place: acc_o (..., rows, headdim) *= scores_scale per row."""
+        return acc_o.mul_(scores_scale[..., None])
+
+    def finalize(self, final_scale=1.0):
+        """Reduce the quad's partials, return the output scale 1/sum * final_scale, turn row_sum into the LSE."""
+        p = self.row_sum
+        # Butterfly all-reduce: shfl_xor 2 pairs lanes (0,2),(1,3); shfl_xor 1 then adds the two pair sums.
+        row_sum = (p[..., 0] + p[..., 2]) + (p[..., 1] + p[..., 3])
+        empty = (row_sum == 0) | torch.isnan(row_sum)  # fully masked row (or a NaN): output 0, lse -inf
+        inv_sum = torch.where(empty, 0.0, 1.0 / row_sum)
+        scores_scale = inv_sum * final_scale
+        # P carried a 2^max_offset factor; it cancels in O = acc_o / sum but must come out of the LSE.
+        if self.max_offset != 0:
+            row_sum = row_sum * (1.0 / float(1 << self.max_offset))
+        lse = self.row_max * (self.softmax_scale_log2 * _LN2) + torch.log(row_sum)
+        self.row_sum = torch.where(empty, -math.inf, lse)
+        return scores_scale
+
+
+def attention_tiled(q, k, v, softmax_scale=None, causal=False, block_m=128, block_n=128, max_offset=0,
+                    compute_dtype=torch.float64, p_dtype=None):
+    """The kernel's tiled forward, emulated: per M-tile, K/V blocks from the last needed one down to the first.
+
+    Returns out (b, sq, h, d) and lse (b, h, sq) in compute_dtype. p_dtype (e.g. torch.bfloat16) rounds P
+    before the PV product, like the kernel's 16-bit P operand; row sums always use the unrounded P.
+    """
+    _check_shapes(q, k, v)
+    if block_n % 8 != 0:
+        raise ValueError(f"block_n must be a multiple of 8 (a GMMA N size), got {block_n}")
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    scale = _default_scale(softmax_scale, headdim)
+    diag = seqlen_k - seqlen_q  # query i sees keys j <= i + diag under the causal mask
+    device = q.device
+
+    qf, kf, vf, kv_index = _heads_first(q, k, v, compute_dtype)
+    # Zero-pad K/V to whole blocks: the padded keys are always masked, and P = 0 there times V = 0 adds 0.
+    n_blocks_k = -(-seqlen_k // block_n)
+    pad = n_blocks_k * block_n - seqlen_k
+    kf = torch.nn.functional.pad(kf, (0, 0, 0, pad))[kv_index]
+    vf = torch.nn.functional.pad(vf, (0, 0, 0, pad))[kv_index]
+
+    out = torch.zeros_like(qf)
+    lse = torch.full((batch * nheads, seqlen_q), -math.inf, dtype=compute_dtype, device=device)
+    for m_block in range(-(-seqlen_q // block_m)):
+        row0 = m_block * block_m
+        rows = torch.arange(row0, min(row0 + block_m, seqlen_q), device=device)
+        n_block_max = n_blocks_k
+        if causal:  # the tile's last row sees keys up to row0 + block_m - 1 + diag
+            n_block_max = max(0, -(-min(seqlen_k, row0 + block_m + diag) // block_n))
+        if n_block_max == 0:
+            continue  # no key visible to any row of the tile: out stays 0, lse -inf
+
+        q_tile = qf[:, rows]
+        softmax = OnlineSoftmax(scale * _LOG2E, max_offset)
+        acc_o = torch.zeros_like(q_tile)
+        for step, n_block in enumerate(reversed(range(n_block_max))):
+            col0 = n_block * block_n
+            cols = torch.arange(col0, col0 + block_n, device=device)
+            scores = torch.matmul(q_tile, kf[:, col0:col0 + block_n].transpose(-1, -2))
+            is_first = step == 0
+            # The first block processed is the only one that can hold keys >= seqlen_k; a causal block needs
+            # the mask when its last key is past what the tile's top row may see.
+            needs_mask = is_first or (causal and col0 + block_n - 1 > row0 + diag)
+            if needs_mask:
+                scores.masked_fill_(~_visible(rows, cols, seqlen_q, seqlen_k, causal), -math.inf)
+            scores_scale = softmax.max_get_scale(scores, is_first, check_inf=needs_mask)
+            p = softmax.online_softmax(scores, is_first, check_inf=needs_mask)
+            softmax.rescale_o(acc_o, scores_scale)
+            if p_dtype is not None:
+                p = p.to(p_dtype).to(compute_dtype)
+            acc_o += torch.matmul(p, vf[:, col0:col0 + block_n])
+        softmax.rescale_o(acc_o, softmax.finalize())
+        out[:, rows] = acc_o
+        lse[:, rows] = softmax.row_sum
+    return _to_bshd(out, batch, nheads), lse.reshape(batch, nheads, seqlen_q)

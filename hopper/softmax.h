@@ -1,0 +1,151 @@
+// The online softmax of the forward mainloop (spec: shared/seed/online_softmax.md).
+//
+// Per K/V block: max_get_scale (new row max, correction factor for the old state, row sums rescaled),
+// online_softmax (P = exp2(S * scale_log2 - max_scaled): one FFMA + one EX2 per score; row sums stay
+// thread-local), rescale_o (O *= correction). After the last block, finalize performs the only quad
+// all-reduce of the sums, returns 1/sum for the final rescale_o, and leaves the LSE in row_sum.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "utils.h"
+
+namespace flash {
+
+using namespace cute;
+
+// summary(mi) (op)= tensor(mi, ni) over this thread's columns; tensor is (rows, cols).
+template <bool kZeroInit, class Engine0, class Layout0, class Engine1, class Layout1, class Operator>
+__device__ __forceinline__ void thread_reduce_(Tensor<Engine0, Layout0> const& tensor, Tensor<Engine1, Layout1>& summary,
+                                               Operator& op) {
+  static_assert(Layout0::rank == 2 && Layout1::rank == 1);
+  CUTLASS_PRAGMA_UNROLL
+  for (int mi = 0; mi < size<0>(tensor); ++mi) {
+    summary(mi) = kZeroInit ? tensor(mi, 0) : op(summary(mi), tensor(mi, 0));
+    CUTLASS_PRAGMA_UNROLL
+    for (int ni = 1; ni < size<1>(tensor); ++ni) { summary(mi) = op(summary(mi), tensor(mi, ni)); }
+  }
+}
+
+// The four threads of a quad hold the same rows (different columns): combine their values.
+template <class Engine0, class Layout0, class Engine1, class Layout1, class Operator>
+__device__ __forceinline__ void quad_allreduce_(Tensor<Engine0, Layout0>& dst, Tensor<Engine1, Layout1> const& src,
+                                                Operator& op) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(dst); ++i) { dst(i) = Allreduce<4>::run(src(i), op); }
+}
+
+template <bool kZeroInit, class Engine0, class Layout0, class Engine1, class Layout1>
+__device__ __forceinline__ void reduce_max(Tensor<Engine0, Layout0> const& tensor, Tensor<Engine1, Layout1>& row_max) {
+  MaxOp<float> max_op;
+  thread_reduce_<kZeroInit>(tensor, row_max, max_op);
+  quad_allreduce_(row_max, row_max, max_op);  // the max must be exact across the row before exp2
+}
+
+// Thread-local partial row sums only: the quad reduction waits until finalize.
+template <bool kZeroInit, class Engine0, class Layout0, class Engine1, class Layout1>
+__device__ __forceinline__ void reduce_sum_thread(Tensor<Engine0, Layout0> const& tensor, Tensor<Engine1, Layout1>& row_sum) {
+  SumOp<float> sum_op;
+  thread_reduce_<kZeroInit>(tensor, row_sum, sum_op);
+}
+
+// tensor(mi, ni) = exp2(tensor(mi, ni) * scale - (max(mi) * scale - kMaxOffset)): one FFMA and one EX2.
+// With kCheckInf a row whose max is -inf (every score masked so far) uses 0 instead, so exp2(-inf) = 0
+// rather than exp2(NaN).
+template <bool kCheckInf, int kMaxOffset, class Engine0, class Layout0, class Engine1, class Layout1>
+__device__ __forceinline__ void scale_apply_exp2(Tensor<Engine0, Layout0>& tensor, Tensor<Engine1, Layout1> const& max,
+                                                 float const scale) {
+  constexpr float kOffset = float(kMaxOffset);
+  CUTLASS_PRAGMA_UNROLL
+  for (int mi = 0; mi < size<0>(tensor); ++mi) {
+    float const max_scaled =
+        kCheckInf ? (max(mi) == -INFINITY ? 0.f : max(mi) * scale - kOffset) : max(mi) * scale - kOffset;
+    CUTLASS_PRAGMA_UNROLL
+    for (int ni = 0; ni < size<1>(tensor); ++ni) { tensor(mi, ni) = exp2f(tensor(mi, ni) * scale - max_scaled); }
+  }
+}
+
+// kNRows: rows of the score tile this thread holds (2 per 64-row GMMA atom). kMaxOffset: P is produced
+// scaled by 2^kMaxOffset (8 for FP8, to use its range); finalize divides it back out of the LSE, and
+// the 1/sum it returns already includes it for O.
+template <int kNRows, int kMaxOffset = 0>
+struct Softmax {
+  using TensorT = decltype(make_tensor<float>(Shape<Int<kNRows>>{}));
+  TensorT row_max, row_sum;
+  float const softmax_scale_log2;
+
+  __device__ __forceinline__ explicit Softmax(float const softmax_scale_log2_) : softmax_scale_log2(softmax_scale_log2_) {
+    // A tile that sees no key never calls max_get_scale; this state makes finalize give O = 0, LSE = -inf.
+    fill(row_max, -INFINITY);
+    fill(row_sum, 0.f);
+  }
+
+  // Updates row_max with the block's scores and returns, per row, the factor that moves the old state
+  // onto the new max; rescales the thread-local row sums by it.
+  template <bool kIsFirst, bool kCheckInf = false, class Tensor0>
+  __device__ __forceinline__ TensorT max_get_scale(Tensor0& acc_s) {
+    Tensor scores = make_rowcol_view(acc_s);
+    static_assert(decltype(size<0>(scores))::value == kNRows);
+    TensorT scores_scale;
+    if constexpr (kIsFirst) {
+      reduce_max</*kZeroInit=*/true>(scores, row_max);
+      fill(scores_scale, 1.f);
+    } else {
+      TensorT scores_max_prev = make_fragment_like(row_max);
+      copy(row_max, scores_max_prev);
+      reduce_max</*kZeroInit=*/false>(scores, row_max);
+      CUTLASS_PRAGMA_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) {
+        float const scores_max_cur = !kCheckInf ? row_max(mi) : (row_max(mi) == -INFINITY ? 0.f : row_max(mi));
+        scores_scale(mi) = exp2f((scores_max_prev(mi) - scores_max_cur) * softmax_scale_log2);
+        row_sum(mi) *= scores_scale(mi);
+      }
+    }
+    return scores_scale;
+  }
+
+  // acc_s becomes P = exp2(S * scale_log2 - max_scaled); its row sums are added to row_sum per thread.
+  template <bool kIsFirst, bool kCheckInf = false, class Tensor0>
+  __device__ __forceinline__ void online_softmax(Tensor0& acc_s) {
+    Tensor scores = make_rowcol_view(acc_s);
+    scale_apply_exp2<kCheckInf, kMaxOffset>(scores, row_max, softmax_scale_log2);
+    reduce_sum_thread</*kZeroInit=*/kIsFirst>(scores, row_sum);
+  }
+
+  // The one quad all-reduce of the sums. Returns final_scale / sum per row (0 for a row with sum 0 or
+  // NaN: a row that saw no key) and leaves LSE = max * softmax_scale + ln(sum) in row_sum (-inf there).
+  __device__ __forceinline__ TensorT finalize(float const final_scale = 1.f) {
+    SumOp<float> sum_op;
+    quad_allreduce_(row_sum, row_sum, sum_op);
+    TensorT scores_scale;
+    CUTLASS_PRAGMA_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      float sum = row_sum(mi);
+      bool const empty = sum == 0.f || sum != sum;
+      float const inv_sum = empty ? 0.f : 1.f / sum;
+      scores_scale(mi) = inv_sum * final_scale;
+      if constexpr (kMaxOffset != 0) {
+        constexpr float kSumScale = 1.f / float(1 << kMaxOffset);
+        sum *= kSumScale;
+      }
+      row_sum(mi) = empty ? -INFINITY : row_max(mi) * (softmax_scale_log2 * float(M_LN2)) + __logf(sum);
+    }
+    return scores_scale;
+  }
+
+  // acc_o(row, :) *= scores_scale(row).
+  template <class Tensor1>
+  __device__ __forceinline__ void rescale_o(Tensor1& acc_o, TensorT const& scores_scale) {
+    Tensor acc_o_rowcol = make_rowcol_view(acc_o);
+    static_assert(decltype(size<0>(acc_o_rowcol))::value == kNRows);
+    CUTLASS_PRAGMA_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int ni = 0; ni < size<1>(acc_o_rowcol); ++ni) { acc_o_rowcol(mi, ni) *= scores_scale(mi); }
+    }
+  }
+};
+
+}  // namespace flash

@@ -1,0 +1,118 @@
+// Small device helpers shared by the forward kernel: warp reductions, accumulator layout views,
+// register type conversion and the warpgroup GEMM wrapper.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+namespace flash {
+
+using namespace cute;
+
+template <typename T>
+struct MaxOp {
+  __device__ __forceinline__ T operator()(T const& x, T const& y) const { return x > y ? x : y; }
+};
+template <>
+struct MaxOp<float> {
+  // fmaxf returns the non-NaN operand and compiles to one FMNMX.
+  __device__ __forceinline__ float operator()(float const& x, float const& y) const { return fmaxf(x, y); }
+};
+
+template <typename T>
+struct SumOp {
+  __device__ __forceinline__ T operator()(T const& x, T const& y) const { return x + y; }
+};
+
+// Butterfly all-reduce over groups of kThreads consecutive lanes (xor kThreads/2, ..., 1).
+template <int kThreads>
+struct Allreduce {
+  static_assert(kThreads == 32 || kThreads == 16 || kThreads == 8 || kThreads == 4 || kThreads == 2);
+  template <typename T, typename Operator>
+  static __device__ __forceinline__ T run(T x, Operator& op) {
+    constexpr int kOffset = kThreads / 2;
+    x = op(x, __shfl_xor_sync(uint32_t(-1), x, kOffset));
+    return Allreduce<kOffset>::run(x, op);
+  }
+};
+template <>
+struct Allreduce<2> {
+  template <typename T, typename Operator>
+  static __device__ __forceinline__ T run(T x, Operator& op) {
+    return op(x, __shfl_xor_sync(uint32_t(-1), x, 1));
+  }
+};
+
+// The SM90 GMMA accumulator of one thread has layout ((2, 2, N/8), MMA_M, MMA_N): value mode 0 walks two
+// adjacent columns, mode 1 the row 8 below, mode 2 the next group of 8 columns. View it as (rows, cols).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_layout_rowcol(Layout const& acc) {
+  static_assert(decltype(rank(acc))::value == 3);
+  static_assert(decltype(rank<0>(acc))::value == 3);
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+}
+
+template <class Engine, class Layout>
+CUTE_DEVICE auto make_rowcol_view(Tensor<Engine, Layout>& t) {
+  return make_tensor(t.data(), acc_layout_rowcol(t.layout()));
+}
+
+// The A operand of a 16-bit register-sourced GMMA (64x16 per K step) holds, per thread, the values of two
+// consecutive 8-column groups of the accumulator above: ((2, 2, 2), MMA_M, K/16). Its linear register
+// order is the accumulator's, so converting P needs no data movement, only this layout.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_layout_to_a_regs(Layout const& acc) {
+  static_assert(decltype(rank(acc))::value == 3);
+  constexpr int kColGroups = decltype(size<0, 2>(acc))::value;
+  static_assert(kColGroups % 2 == 0, "the GEMM0 tile N must be a multiple of 16");
+  auto groups = logical_divide(get<0, 2>(acc), Int<2>{});  // (2, N/16)
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0>(groups)), get<1>(acc),
+                     coalesce(make_layout(get<1>(groups), get<2>(acc))));
+}
+
+// Converts a register tensor element-wise into `dst` (same number of elements, any layout), using the
+// packed converters (e.g. one cvt.rn.bf16x2.f32 per pair).
+template <class EngineIn, class LayoutIn, class EngineOut, class LayoutOut>
+CUTE_DEVICE void convert_into(Tensor<EngineIn, LayoutIn> const& src, Tensor<EngineOut, LayoutOut>& dst) {
+  using From = typename EngineIn::value_type;
+  using To = typename EngineOut::value_type;
+  constexpr int kNumel = decltype(size(src))::value;
+  static_assert(kNumel == decltype(size(dst))::value);
+  cutlass::NumericArrayConverter<To, From, kNumel> converter;
+  *reinterpret_cast<cutlass::Array<To, kNumel>*>(dst.data()) =
+      converter(*reinterpret_cast<cutlass::Array<From, kNumel> const*>(src.data()));
+}
+
+// Issues one warpgroup GEMM C (+)= A * B over the whole K extent of the fragments, then waits until at
+// most kWaitGroups GEMM batches are still in flight (-1: do not wait). A may be shared-memory
+// descriptors (SS) or registers (RS). The operand fences keep the compiler from moving register reads
+// or writes of A and C across the asynchronous GMMA.
+template <int kWaitGroups, class TiledMma, class TensorA, class TensorB, class TensorC>
+CUTE_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TensorA const& tCrA, TensorB const& tCrB, TensorC& tCrC,
+                                bool zero_init) {
+  // SS GEMMs pass shared-memory descriptors as A; RS GEMMs pass registers that need fencing.
+  constexpr bool kARegs = !is_same_v<typename TensorA::iterator, GMMA::DescriptorIterator>;
+  if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TensorA&>(tCrA)); }
+  warpgroup_fence_operand(tCrC);
+  warpgroup_arrive();
+  tiled_mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWaitGroups >= 0) { warpgroup_wait<kWaitGroups>(); }
+  warpgroup_fence_operand(tCrC);
+  if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TensorA&>(tCrA)); }
+}
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Floor division that is right for negative numerators too.
+__host__ __device__ constexpr int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+}  // namespace flash

@@ -1,0 +1,134 @@
+"""Build flash_ext: one CUDA extension (flash_ext._C, abi3) for sm_90a.
+
+Build switches (environment variables), so a developer can rebuild one kernel in minutes:
+
+  FLASH_EXT_HEADDIMS   comma list of kernel head dims to compile, from 64,96,128,192,256 (default: all)
+  FLASH_EXT_DTYPES     comma list from fp16,bf16 (default: both)
+  FLASH_EXT_CAUSAL     comma list from 0,1: non-causal and/or causal kernels (default: both)
+  FLASH_EXT_BACKWARD   1/0: compile backward kernels (default 1; there are none yet, see README)
+  FLASH_EXT_PTXAS_V    1: print ptxas resource usage (registers, spills, smem) for every kernel
+  MAX_JOBS             parallel compile jobs (honoured by torch's ninja build)
+  CUDA_HOME            CUDA toolkit (default: /usr/local/cuda, else the directory above `nvcc`)
+"""
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+ALL_HEADDIMS = (64, 96, 128, 192, 256)
+ALL_DTYPES = ("fp16", "bf16")
+
+
+def _default_cuda_home():
+    # torch guesses /usr/local from /usr/local/bin/nvcc, and the link then fails with -lcudart.
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    for candidate in ("/usr/local/cuda",):
+        if os.path.exists(os.path.join(candidate, "bin", "nvcc")):
+            os.environ["CUDA_HOME"] = candidate
+            return
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        os.environ["CUDA_HOME"] = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+_default_cuda_home()
+
+import torch  # noqa: E402  (after CUDA_HOME is set: cpp_extension reads it at import)
+from torch.utils.cpp_extension import BuildExtension, CUDAExtension  # noqa: E402
+
+
+def _cutlass_include():
+    try:
+        import cutlass_library
+    except ImportError as e:
+        raise RuntimeError(
+            "flash_ext needs the CUTLASS/CuTe headers from the `nvidia-cutlass` package: "
+            "pip install nvidia-cutlass==4.2.0.0"
+        ) from e
+    inc = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+    if not os.path.exists(os.path.join(inc, "cute", "tensor.hpp")):
+        raise RuntimeError(f"nvidia-cutlass is installed but has no CuTe headers under {inc}")
+    return inc
+
+
+def _parse_list(name, allowed, default):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return list(default)
+    values = [v.strip() for v in raw.split(",") if v.strip()]
+    bad = [v for v in values if v not in [str(a) for a in allowed]]
+    if bad:
+        raise RuntimeError(f"{name}={raw!r}: unknown value(s) {bad}; allowed: {','.join(map(str, allowed))}")
+    return values
+
+
+def _selected_kernels():
+    """The generated instantiation files (hopper/instantiations/*.cu) this build compiles, and its defines."""
+    hdims = [int(h) for h in _parse_list("FLASH_EXT_HEADDIMS", ALL_HEADDIMS, ALL_HEADDIMS)]
+    dtypes = _parse_list("FLASH_EXT_DTYPES", ALL_DTYPES, ALL_DTYPES)
+    causal = [c == "1" for c in _parse_list("FLASH_EXT_CAUSAL", ("0", "1"), ("0", "1"))]
+    backward = os.environ.get("FLASH_EXT_BACKWARD", "1").strip() not in ("0", "false", "no", "")
+    pattern = re.compile(r"flash_(fwd|bwd)_hdim(\d+)_(fp16|bf16)(_causal)?_sm90\.cu$")
+    sources = []
+    for path in sorted((ROOT / "hopper" / "instantiations").glob("*.cu")):
+        m = pattern.match(path.name)
+        if not m:
+            raise RuntimeError(f"unexpected kernel file name {path.name}; rerun hopper/generate_kernels.py")
+        kind, hdim, dtype, is_causal = m.group(1), int(m.group(2)), m.group(3), bool(m.group(4))
+        if hdim in hdims and dtype in dtypes and is_causal in causal and (kind == "fwd" or backward):
+            sources.append(str(path.relative_to(ROOT)))
+    defines = [f"-DFLASH_EXT_HDIM{h}" for h in hdims] + [f"-DFLASH_EXT_{d.upper()}" for d in dtypes]
+    defines += [f"-DFLASH_EXT_CAUSAL{int(c)}" for c in causal]
+    if backward:
+        defines.append("-DFLASH_EXT_BACKWARD")
+    return sources, defines
+
+
+def _extension():
+    sources, defines = _selected_kernels()
+    common = ["-DPy_LIMITED_API=0x03090000", "-DNDEBUG"] + defines
+    nvcc = [
+        "-O3",
+        "-std=c++17",
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "--expt-relaxed-constexpr",
+        "--expt-extended-lambda",
+        "--use_fast_math",
+        "-lineinfo",
+        "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
+        "-DCUTLASS_ENABLE_GDC_FOR_SM90",
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        # ptxas C7510 (serialized wgmma) means lost performance: make it impossible to miss.
+        "-Xptxas=--warn-on-spills",
+    ] + common
+    if os.environ.get("FLASH_EXT_PTXAS_V", "0") == "1":
+        nvcc.append("-Xptxas=-v")
+    threads = os.environ.get("FLASH_EXT_NVCC_THREADS")
+    if threads:
+        nvcc.append(f"--threads={threads}")
+    return CUDAExtension(
+        name="flash_ext._C",
+        sources=["csrc/flash_api.cpp"] + sources,
+        include_dirs=[str(ROOT / "hopper"), str(ROOT / "csrc"), _cutlass_include()],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + common, "nvcc": nvcc},
+        py_limited_api=True,
+    )
+
+
+setup(
+    name="flash_ext",
+    version="0.1.0",
+    packages=find_packages(include=["flash_ext", "flash_ext.*"]),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    python_requires=">=3.9",
+)

@@ -1,0 +1,163 @@
+"""CPU tests of flash_ext.forward's argument checks: each bad input raises a clear, specific exception
+before anything is launched (and before the missing CUDA extension would matter)."""
+import pytest
+import torch
+
+import flash_ext
+
+
+def make(batch=1, seqlen=8, nheads=2, headdim=64, dtype=torch.float16):
+    return torch.randn(batch, seqlen, nheads, headdim).to(dtype)
+
+
+def qkv(**kwargs):
+    return make(**kwargs), make(**kwargs), make(**kwargs)
+
+
+def test_non_tensor_input():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"q must be a torch.Tensor, got list"):
+        flash_ext.forward(q.tolist(), k, v)
+    with pytest.raises(TypeError, match=r"v must be a torch.Tensor, got NoneType"):
+        flash_ext.forward(q, k, None)
+
+
+@pytest.mark.parametrize("shape", [(8, 2, 64), (1, 1, 8, 2, 64)])
+def test_wrong_rank(shape):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"k must have 4 dims"):
+        flash_ext.forward(q, torch.randn(shape).half(), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.float64])
+def test_unsupported_dtype(dtype):
+    q, k, v = qkv()
+    bad = torch.ones(1, 8, 2, 64, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"q has dtype {dtype}; .*float16 and torch.bfloat16"):
+        flash_ext.forward(bad, k, v)
+
+
+def test_mixed_dtypes():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"share one dtype.*k torch.bfloat16"):
+        flash_ext.forward(q, k.bfloat16(), v)
+
+
+def test_kv_shape_mismatch():
+    q, k, _ = qkv()
+    with pytest.raises(ValueError, match=r"k and v must have the same shape"):
+        flash_ext.forward(q, k, make(seqlen=9))
+
+
+def test_batch_mismatch():
+    q = make(batch=2)
+    with pytest.raises(ValueError, match=r"batch mismatch: q has batch 2, k and v have 1"):
+        flash_ext.forward(q, make(), make())
+
+
+def test_headdim_mismatch():
+    q = make(headdim=64)
+    with pytest.raises(ValueError, match=r"head dim mismatch: q has 64, k and v have 128"):
+        flash_ext.forward(q, make(headdim=128), make(headdim=128))
+
+
+@pytest.mark.parametrize("headdim", [60, 4, 264, 512])
+def test_unsupported_headdim(headdim):
+    q, k, v = qkv(headdim=headdim)
+    with pytest.raises(ValueError, match=rf"head dim {headdim} is not supported: it must be a multiple of 8"):
+        flash_ext.forward(q, k, v)
+
+
+def test_nheads_not_multiple_of_nheads_kv():
+    q = make(nheads=3)
+    with pytest.raises(ValueError, match=r"nheads \(3\) must be a multiple of nheads_kv \(2\)"):
+        flash_ext.forward(q, make(nheads=2), make(nheads=2))
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(0, 8), (8, 0)])
+def test_zero_length_seqlen(seqlen_q, seqlen_k):
+    q = make(seqlen=seqlen_q)
+    with pytest.raises(ValueError, match=r"seqlen_q and seqlen_k must be >= 1"):
+        flash_ext.forward(q, make(seqlen=seqlen_k), make(seqlen=seqlen_k))
+
+
+def test_zero_heads():
+    with pytest.raises(ValueError, match=r"batch and head counts must be >= 1"):
+        flash_ext.forward(make(nheads=0), make(nheads=0), make(nheads=0))
+
+
+@pytest.mark.parametrize("scale", [-0.125, 0.0, float("nan"), float("inf")])
+def test_bad_softmax_scale_value(scale):
+    with pytest.raises(ValueError, match=r"softmax_scale must be a finite positive number"):
+        flash_ext.forward(*qkv(), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["0.125", True, torch.tensor(0.125)])
+def test_bad_softmax_scale_type(scale):
+    with pytest.raises(TypeError, match=r"softmax_scale must be a float or None"):
+        flash_ext.forward(*qkv(), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("causal", [1, "True", None])
+def test_non_bool_causal(causal):
+    with pytest.raises(TypeError, match=r"causal must be a bool"):
+        flash_ext.forward(*qkv(), causal=causal)
+
+
+def test_non_contiguous_last_dim():
+    q, k, v = qkv()
+    strided = make(headdim=128)[..., ::2]
+    assert strided.shape == q.shape
+    with pytest.raises(ValueError, match=r"v must be contiguous in its last \(headdim\) dim"):
+        flash_ext.forward(q, k, strided)
+
+
+def test_stride_not_multiple_of_8_elements():
+    q, k, v = qkv()
+    sliced = make(headdim=68)[..., :64]  # heads stride 68 elements = 136 bytes
+    with pytest.raises(ValueError, match=r"k stride 68 of dim 2 must be a positive multiple of 8 elements"):
+        flash_ext.forward(q, sliced, v)
+
+
+def test_expanded_zero_stride():
+    q, k, v = qkv(batch=2)
+    expanded = make(batch=1).expand(q.shape[0], -1, -1, -1)  # batch stride 0
+    assert expanded.stride(0) == 0
+    with pytest.raises(ValueError, match=r"k stride 0 of dim 0 must be a positive multiple"):
+        flash_ext.forward(q, expanded, v)
+
+
+def test_misaligned_data_pointer():
+    q, k, v = qkv()
+    flat = torch.randn(q.numel() + 1).half()
+    shifted = flat[1:].view(q.shape)  # contiguous strides, but starts 2 bytes past an aligned address
+    with pytest.raises(ValueError, match=r"q's data pointer is not 16-byte aligned"):
+        flash_ext.forward(shifted, k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_valid_cpu_tensors_need_cuda(dtype):
+    # Also valid: GQA, a non-default scale, and a strided slice of a packed qkv tensor.
+    packed = torch.randn(2, 16, 3, 4, 64).to(dtype)
+    q, k, v = packed.unbind(2)
+    with pytest.raises(ValueError, match=r"q is on cpu; flash_ext.forward needs CUDA tensors"):
+        flash_ext.forward(q, k, v, softmax_scale=0.1, causal=True)
+    with pytest.raises(ValueError, match=r"needs CUDA"):
+        flash_ext.forward(make(nheads=4, dtype=dtype), make(nheads=1, dtype=dtype), make(nheads=1, dtype=dtype))
+
+
+@pytest.mark.parametrize("headdim,expected", [(8, 64), (64, 64), (72, 96), (128, 128), (136, 192), (200, 256),
+                                              (256, 256)])
+def test_kernel_headdim(headdim, expected):
+    assert flash_ext.kernel_headdim(headdim) == expected
+
+
+@pytest.mark.parametrize("headdim", [0, -8, 60, 7.5, True])
+def test_kernel_headdim_invalid(headdim):
+    with pytest.raises(ValueError, match=r"head dim must be a positive multiple of 8"):
+        flash_ext.kernel_headdim(headdim)
+
+
+def test_kernel_headdim_too_large():
+    with pytest.raises(ValueError, match=r"head dim 264 is larger than the largest supported \(256\)"):
+        flash_ext.kernel_headdim(264)

@@ -1,0 +1,198 @@
+"""flash_ext.forward on the GPU against the float64 reference (FlashAttention's error rule).
+
+Every case draws fresh random inputs, poisons the memory the outputs will land in, and checks that
+  max|out - ref| <= 2 * max|out_pt - ref| + rounding noise,
+where out_pt is PyTorch attention computed in the same low precision, and that the LSE matches the
+reference within 1e-3 where finite and is -inf exactly where a row sees no key.
+"""
+import itertools
+import math
+
+import pytest
+import torch
+
+import flash_ext
+from flash_ext.reference import attention_lowp, attention_ref
+
+pytestmark = pytest.mark.gpu
+
+HEADDIMS = (64, 96, 128, 192, 256)
+DTYPES = (torch.float16, torch.bfloat16)
+# (seqlen_q, seqlen_k): 1, odd lengths, below/above one tile, q longer and shorter than k, a few thousand.
+SEQLENS = [
+    (1, 1),
+    (1, 239),
+    (7, 113),
+    (113, 7),
+    (128, 128),
+    (200, 1000),
+    (1000, 200),
+    (511, 513),
+    (1000, 1000),
+    (2049, 2049),
+    (3000, 1025),
+]
+# (nheads, nheads_kv): MHA, GQA 4:1, MQA.
+HEADS = [(4, 4), (8, 2), (6, 1)]
+
+
+def _poison_allocator(*shapes_dtypes):
+    """Fill blocks of the sizes the outputs will take with NaN and free them, so the caching allocator
+    hands NaN-filled memory to the kernel's outputs: an element the kernel forgets to write stays NaN."""
+    for shape, dtype in shapes_dtypes:
+        torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def _rounding_noise(ref, dtype):
+    ref_lowp = ref.to(dtype)
+    return (ref_lowp + 0.3 - 0.3 - ref_lowp).abs().max().item()
+
+
+def _make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v
+
+
+def _check_against_reference(q, k, v, causal, softmax_scale=None):
+    batch, seqlen_q, nheads, headdim = q.shape
+    _poison_allocator(((batch, seqlen_q, nheads, headdim), q.dtype), ((batch, nheads, seqlen_q), torch.float32))
+    out, lse = flash_ext.forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (batch, nheads, seqlen_q) and lse.dtype == torch.float32
+    assert not out.isnan().any(), "NaN in out (unwritten or invalid elements)"
+    assert not lse.isnan().any(), "NaN in lse (unwritten or invalid elements)"
+
+    out_ref, lse_ref = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    out_pt = attention_lowp(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    err = (out.double() - out_ref).abs().max().item()
+    err_pt = (out_pt.double() - out_ref).abs().max().item()
+    noise = _rounding_noise(out_ref, q.dtype)
+    assert err <= 2 * err_pt + noise, f"max error {err:.3e} > 2 * {err_pt:.3e} (PyTorch {q.dtype}) + {noise:.1e}"
+
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite), "lse is -inf exactly where a row sees no key"
+    assert torch.all(lse[~finite] == -math.inf)
+    if finite.any():
+        lse_err = (lse.double()[finite] - lse_ref[finite]).abs().max().item()
+        assert lse_err <= 1e-3, f"lse error {lse_err:.3e}"
+    # Rows that see no key: out exactly 0.
+    no_key = ~finite.transpose(1, 2)  # (batch, seqlen_q, nheads)
+    assert torch.all(out[no_key] == 0)
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}sk{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", HEADDIMS)
+def test_forward_matches_reference(headdim, dtype, seqlens, heads, causal):
+    seqlen_q, seqlen_k = seqlens
+    nheads, nheads_kv = heads
+    batch = 2 if seqlen_q * seqlen_k <= 1_000_000 else 1
+    seed = hash((headdim, str(dtype), seqlens, heads, causal)) % (2**31)
+    q, k, v = _make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtype, seed)
+    _check_against_reference(q, k, v, causal)
+
+
+@pytest.mark.parametrize("headdim", [8, 40, 72, 80, 120, 136, 168, 200, 248])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_headdims_between_kernels(headdim, causal):
+    """Head dims without their own kernel run on the next size up (TMA zero-fills and clips the rest)."""
+    q, k, v = _make_qkv(2, 157, 301, 4, 2, headdim, torch.bfloat16, seed=headdim)
+    _check_against_reference(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_strided_views(causal):
+    """Slices of packed tensors: q, k, v as views of one (b, s, 3, h, d) buffer, and a transposed batch."""
+    b, s, h, d = 2, 333, 4, 128
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    assert not q.is_contiguous()
+    out, _ = _check_against_reference(q, k, v, causal)
+    assert out.is_contiguous()
+    # Heads-major storage viewed as (b, s, h, d).
+    q2 = torch.randn(b, h, s, d, device="cuda", dtype=torch.float16).transpose(1, 2)
+    k2 = torch.randn(b, h, 100, d, device="cuda", dtype=torch.float16).transpose(1, 2)
+    v2 = torch.randn(b, h, 100, d, device="cuda", dtype=torch.float16).transpose(1, 2)
+    _check_against_reference(q2, k2, v2, causal)
+
+
+def test_forward_softmax_scale():
+    q, k, v = _make_qkv(2, 250, 260, 4, 4, 64, torch.bfloat16, seed=7)
+    for scale in (0.01, 0.3, 1.0):
+        _check_against_reference(q, k, v, causal=False, softmax_scale=scale)
+
+
+def test_forward_fully_masked_rows():
+    """Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k queries see no key."""
+    q, k, v = _make_qkv(2, 300, 50, 4, 2, 128, torch.float16, seed=3)
+    out, lse = _check_against_reference(q, k, v, causal=True)
+    assert torch.all(out[:, :250] == 0)
+    assert torch.all(lse[:, :, :250] == -math.inf)
+    assert torch.isfinite(lse[:, :, 250:]).all()
+
+
+def test_forward_large_scores_stable():
+    """Scores far beyond exp's range: the online softmax must not overflow."""
+    q, k, v = _make_qkv(1, 300, 300, 2, 2, 64, torch.bfloat16, seed=11)
+    _check_against_reference(q * 30, k * 30, v, causal=False)
+    _check_against_reference(q * 30, k * 30, v, causal=True)
+
+
+@pytest.mark.parametrize("headdim", HEADDIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_deterministic(headdim, causal):
+    q, k, v = _make_qkv(2, 1111, 1333, 4, 2, headdim, torch.bfloat16, seed=headdim)
+    out1, lse1 = flash_ext.forward(q, k, v, causal=causal)
+    out2, lse2 = flash_ext.forward(q, k, v, causal=causal)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+
+
+def test_forward_many_heads_and_batches():
+    """Grid y/z extents well past one wave, with GQA."""
+    q, k, v = _make_qkv(17, 70, 90, 48, 6, 64, torch.float16, seed=5)
+    _check_against_reference(q, k, v, causal=True)
+
+
+def test_forward_on_side_stream():
+    q, k, v = _make_qkv(2, 500, 500, 4, 4, 128, torch.bfloat16, seed=9)
+    expected, _ = flash_ext.forward(q, k, v)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out, _ = flash_ext.forward(q, k, v)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(out, expected)
+
+
+def test_forward_gpu_argument_errors():
+    """Errors raised before launch, on real GPU tensors, also through torch.ops directly."""
+    q, k, v = _make_qkv(1, 64, 64, 2, 2, 64, torch.bfloat16, seed=1)
+    buf = torch.randn(64 * 2 * 64 + 1, device="cuda", dtype=torch.bfloat16)
+    q_misaligned = buf[1:].view(1, 64, 2, 64)  # starts 2 bytes into an allocation
+    with pytest.raises(ValueError, match="aligned"):
+        flash_ext.forward(q_misaligned, k, v)
+    with pytest.raises(TypeError, match="dtype"):
+        flash_ext.forward(q.float(), k, v)
+    with pytest.raises(ValueError, match="multiple of nheads_kv"):
+        flash_ext.forward(torch.randn(1, 64, 3, 64, device="cuda", dtype=torch.bfloat16), k, v)
+    # The op itself re-checks what the kernel needs, for callers who bypass the Python wrapper.
+    with pytest.raises((RuntimeError, ValueError, TypeError)):
+        torch.ops.flash_ext.fwd(q, k[..., :32].contiguous(), v, 0.125, False)
+    with pytest.raises((RuntimeError, ValueError, TypeError)):
+        torch.ops.flash_ext.fwd(q.cpu(), k.cpu(), v.cpu(), 0.125, False)
+    with pytest.raises((RuntimeError, ValueError, TypeError)):
+        torch.ops.flash_ext.fwd(q[..., ::2], k[..., ::2], v[..., ::2], 0.125, False)
+
+
+def test_build_info_lists_every_kernel():
+    info = flash_ext.build_info()
+    for d in HEADDIMS:
+        assert f" {d}" in info.split(";")[0]
+    assert "fp16" in info and "bf16" in info
