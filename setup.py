@@ -89,9 +89,24 @@ def _selected_kernels():
     return sources, defines
 
 
+def _variant():
+    """FLASH_EXT_VARIANT=name builds flash_ext._C_<name> with ops torch.ops.flash_ext_<name>, loadable beside
+    the main build, with FLASH_EXT_VARIANT_DEFINES (e.g. "-DFLASH_EXT_TILE_M=128 -DFLASH_EXT_TILE_N=176"):
+    for A/B measurements in one process (scripts/build_variant.sh). Unset for normal builds."""
+    name = os.environ.get("FLASH_EXT_VARIANT", "").strip()
+    if not name:
+        return "_C", []
+    if not re.fullmatch(r"[a-z0-9_]+", name):
+        raise RuntimeError(f"FLASH_EXT_VARIANT={name!r}: use lowercase letters, digits and _")
+    defines = [f"-DFLASH_EXT_OPS_NAMESPACE=flash_ext_{name}", f"-DFLASH_EXT_MODULE_NAME=_C_{name}"]
+    defines += os.environ.get("FLASH_EXT_VARIANT_DEFINES", "").split()
+    return f"_C_{name}", defines
+
+
 def _extension():
     sources, defines = _selected_kernels()
-    common = ["-DPy_LIMITED_API=0x03090000", "-DNDEBUG"] + defines
+    module, variant_defines = _variant()
+    common = ["-DPy_LIMITED_API=0x03090000", "-DNDEBUG"] + defines + variant_defines
     nvcc = [
         "-O3",
         "-std=c++17",
@@ -115,7 +130,7 @@ def _extension():
     if threads:
         nvcc.append(f"--threads={threads}")
     return CUDAExtension(
-        name="flash_ext._C",
+        name=f"flash_ext.{module}",
         sources=["csrc/flash_api.cpp"] + sources,
         include_dirs=[str(ROOT / "hopper"), str(ROOT / "csrc"), _cutlass_include()],
         extra_compile_args={"cxx": ["-O3", "-std=c++17"] + common, "nvcc": nvcc},

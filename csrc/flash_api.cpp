@@ -14,6 +14,7 @@
 #include <cutlass/version.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -48,6 +49,14 @@ void check_layout(at::Tensor const& t, char const* name) {
   }
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignBytes == 0, name,
                     "'s data pointer must be 16-byte aligned; call .clone()");
+}
+
+// Developer knob for A/B measurements: FLASH_EXT_PINGPONG=0/1 forces the consumer warpgroup ping-pong
+// off/on; unset keeps each kernel's default.
+int pingpong_override() {
+  char const* value = std::getenv("FLASH_EXT_PINGPONG");
+  if (value == nullptr || value[0] == '\0') return -1;
+  return value[0] == '0' ? 0 : 1;
 }
 
 template <class Element, int kHeadDim>
@@ -140,6 +149,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
   params.nheads_kv = int(nheads_kv);
   params.headdim = int(headdim);
   params.softmax_scale = float(softmax_scale);
+  params.pingpong = pingpong_override();
 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   int const kernel_hdim = kernel_headdim(headdim);
@@ -198,19 +208,34 @@ std::string build_info() {
 
 }  // namespace
 
-TORCH_LIBRARY(flash_ext, m) {
+// The op namespace and module name are flash_ext / _C, except in side-by-side variant builds
+// (scripts/build_variant.sh), which load next to the main build under their own names.
+#ifndef FLASH_EXT_OPS_NAMESPACE
+#define FLASH_EXT_OPS_NAMESPACE flash_ext
+#endif
+#ifndef FLASH_EXT_MODULE_NAME
+#define FLASH_EXT_MODULE_NAME _C
+#endif
+#define FLASH_EXT_STRINGIFY_(x) #x
+#define FLASH_EXT_STRINGIFY(x) FLASH_EXT_STRINGIFY_(x)
+#define FLASH_EXT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define FLASH_EXT_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+#define FLASH_EXT_PYINIT_(name) PyInit_##name
+#define FLASH_EXT_PYINIT(name) FLASH_EXT_PYINIT_(name)
+
+FLASH_EXT_LIBRARY(FLASH_EXT_OPS_NAMESPACE, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor lse)");
   m.def("build_info() -> str", &build_info);
 }
 
-TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) { m.impl("fwd", &mha_fwd); }
+FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CUDA, m) { m.impl("fwd", &mha_fwd); }
 
 // `import flash_ext._C` loads this library, whose static initialisers above register the ops. The module
 // itself is empty; it exists so that the stable (abi3) Python API is all this file links against.
-extern "C" PyObject* PyInit__C(void) {
+extern "C" PyObject* FLASH_EXT_PYINIT(FLASH_EXT_MODULE_NAME)(void) {
   static PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT,
-      "_C",     // m_name
+      FLASH_EXT_STRINGIFY(FLASH_EXT_MODULE_NAME),  // m_name
       nullptr,  // m_doc
       -1,       // m_size
       nullptr,  // m_methods

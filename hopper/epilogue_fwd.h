@@ -8,13 +8,11 @@
 
 #include "tile_scheduler.h"
 #include "utils.h"
+#include "warpgroup_scheduler.h"
 
 namespace flash {
 
 using namespace cute;
-
-// Named barrier ids (offset past CUTLASS's reserved ones by NamedBarrier).
-enum class FwdNamedBarriers : uint32_t { kEpilogue = 0 };
 
 template <class Traits>
 struct FwdEpilogue {

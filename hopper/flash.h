@@ -20,6 +20,8 @@ struct FwdParams {
   int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
   int headdim;  // the real head dim; the kernel's may be larger (zero-filled by TMA, clipped on store)
   float softmax_scale;
+  // Consumer warpgroup ping-pong: -1 = the configuration's default, 0 = off, 1 = on (for A/B measurements).
+  int pingpong = -1;
 };
 
 }  // namespace flash

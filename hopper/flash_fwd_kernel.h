@@ -43,6 +43,7 @@ struct FwdKernelParams {
   float* lse;
   int seqlen_q, seqlen_k, nheads, qheads_per_kvhead;
   float softmax_scale_log2;
+  bool pingpong;  // consumer warpgroups take turns issuing GEMMs (WarpgroupScheduler)
 };
 
 template <class Traits>

@@ -43,6 +43,7 @@ void run_flash_fwd(FwdParams const& p, cudaStream_t stream) {
       p.nheads,
       p.nheads / p.nheads_kv,
       float(p.softmax_scale * M_LOG2E),
+      p.pingpong < 0 ? Traits::kPingPongDefault : p.pingpong != 0,
   };
 
   dim3 const grid = StaticTileScheduler<Traits::kBlockM, kIsCausal>::grid(p.seqlen_q, p.nheads, p.batch);

@@ -30,11 +30,14 @@ CUTE_HOST_DEVICE constexpr auto smem_layout_atom_k_major() {
 // Shared memory: Q (kBlockM x d) + 2 stages each of K and V (kBlockN x d) must stay under 227 KB.
 template <int kHeadDim, bool kIsCausal>
 struct FwdTileSize;
-template <bool C> struct FwdTileSize<64, C>  { static constexpr int kBlockM = 192, kBlockN = 128; };
+// Causal kernels carry the mask's extra live registers: d64 causal with three consumer warpgroups (160
+// registers each), d192 causal at kBlockN = 112 and d256 causal at kBlockN = 80 spilled, so they use
+// smaller tiles. d128 non-causal gains ~2% at 16k from kBlockN = 176 over 128 (docs/perf-notes.md).
+template <bool C> struct FwdTileSize<64, C>  { static constexpr int kBlockM = C ? 128 : 192, kBlockN = 128; };
 template <bool C> struct FwdTileSize<96, C>  { static constexpr int kBlockM = 128, kBlockN = 128; };
-template <bool C> struct FwdTileSize<128, C> { static constexpr int kBlockM = 128, kBlockN = 128; };
-template <bool C> struct FwdTileSize<192, C> { static constexpr int kBlockM = 128, kBlockN = 112; };
-template <bool C> struct FwdTileSize<256, C> { static constexpr int kBlockM = 128, kBlockN = 80; };
+template <bool C> struct FwdTileSize<128, C> { static constexpr int kBlockM = 128, kBlockN = C ? 128 : 176; };
+template <bool C> struct FwdTileSize<192, C> { static constexpr int kBlockM = 128, kBlockN = C ? 96 : 112; };
+template <bool C> struct FwdTileSize<256, C> { static constexpr int kBlockM = 128, kBlockN = C ? 64 : 80; };
 
 template <class Element_, int kHeadDim_, bool kIsCausal_>
 struct FwdKernelTraits {
@@ -42,8 +45,14 @@ struct FwdKernelTraits {
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kIsCausal = kIsCausal_;
+#if defined(FLASH_EXT_TILE_M) && defined(FLASH_EXT_TILE_N)
+  // Tile experiments in side-by-side variant builds (scripts/build_variant.sh) only.
+  static constexpr int kBlockM = FLASH_EXT_TILE_M;
+  static constexpr int kBlockN = FLASH_EXT_TILE_N;
+#else
   static constexpr int kBlockM = FwdTileSize<kHeadDim, kIsCausal>::kBlockM;
   static constexpr int kBlockN = FwdTileSize<kHeadDim, kIsCausal>::kBlockN;
+#endif
   static constexpr int kStages = 2;
 
   // Warpgroup 0 loads (one thread issues every TMA); each further warpgroup owns 64 rows of the tile.
@@ -54,6 +63,11 @@ struct FwdKernelTraits {
   // setmaxnreg split of the 64K registers: the producer keeps few, the consumers hold S, P and O.
   static constexpr int kProducerRegs = kNumMmaWarpGroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kNumMmaWarpGroups == 2 ? 240 : 160;
+  // Warpgroup ping-pong (WarpgroupScheduler): +5-14% at d64/d128 and +2% at d256 non-causal on the H200
+  // (docs/perf-notes.md). Compiled out where its extra live registers made ptxas spill (d192/d256 causal).
+  // Where compiled in, FLASH_EXT_PINGPONG=0/1 switches it at run time for A/B measurements.
+  static constexpr bool kPingPongCompiled = kHeadDim <= 128 || !kIsCausal;
+  static constexpr bool kPingPongDefault = kPingPongCompiled;
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;

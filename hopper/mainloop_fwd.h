@@ -18,6 +18,7 @@
 #include "softmax.h"
 #include "tile_scheduler.h"
 #include "utils.h"
+#include "warpgroup_scheduler.h"
 
 namespace flash {
 
@@ -93,6 +94,8 @@ struct FwdMainloop {
     Tensor tOrP = make_tensor<Element>(acc_layout_to_a_regs(tSrS.layout()));
 
     Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, params.seqlen_q, params.seqlen_k);
+    WarpgroupScheduler<Traits::kNumMmaWarpGroups> scheduler(thread_idx / cutlass::NumThreadsPerWarpGroup,
+                                                            Traits::kPingPongCompiled && params.pingpong);
     PipelineState read_k, read_v;  // consumer states start at stage 0, phase 0
 
     storage.barrier_q.wait(0);
@@ -113,9 +116,11 @@ struct FwdMainloop {
     auto step = [&](int n_block, auto masked) {
       constexpr bool kMasked = decltype(masked)::value;
       pipeline_k.consumer_wait(read_k);
+      scheduler.wait_turn();
       warpgroup_gemm<-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
       pipeline_v.consumer_wait(read_v);
       warpgroup_gemm<-1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO, zero_init_o);
+      scheduler.pass_turn();
       warpgroup_wait<1>();  // S is ready; GEMM1 still runs
       warpgroup_fence_operand(tSrS);
       pipeline_k.consumer_release(read_k);
@@ -133,11 +138,13 @@ struct FwdMainloop {
     };
 
     --n_block;
+    scheduler.start();
     if constexpr (kIsCausal) {
       int const n_block_unmasked_end = max(n_block_min, mask.first_causal_masked_block(tile.m_block));
       for (; n_block >= n_block_unmasked_end; --n_block) { step(n_block, cute::true_type{}); }
     }
     for (; n_block >= n_block_min; --n_block) { step(n_block, cute::false_type{}); }
+    scheduler.finish();
 
     // GEMM1 of the last block.
     pipeline_v.consumer_wait(read_v);

@@ -1,0 +1,79 @@
+"""A/B timing of forward kernel variants in one process, beside SDPA's cuDNN and flash backends.
+
+Variants: the main build (torch.ops.flash_ext) and any side-by-side builds (scripts/build_variant.sh,
+torch.ops.flash_ext_<name>), each with the consumer warpgroup ping-pong on and off (FLASH_EXT_PINGPONG).
+Every variant is checked against the float64 reference on a slice before it is timed.
+
+    PYTHONPATH=$PWD python3 scripts/ab_fwd.py --variants m128 --headdims 64,128,256 --seqlens 1024,8192
+"""
+import argparse
+import importlib
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_ext  # noqa: F401  (loads the main build's ops)
+from flash_ext.reference import attention_lowp, attention_ref
+
+
+def timed(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", default="", help="comma list of variant build names")
+    parser.add_argument("--headdims", default="64,128,256")
+    parser.add_argument("--seqlens", default="1024,8192")
+    parser.add_argument("--causal", default="0,1")
+    args = parser.parse_args()
+    ops = {"main": torch.ops.flash_ext}
+    for name in filter(None, args.variants.split(",")):
+        importlib.import_module(f"flash_ext._C_{name}")
+        ops[name] = getattr(torch.ops, f"flash_ext_{name}")
+    for name, ns in ops.items():
+        print(f"{name}: {ns.build_info()}")
+
+    header = f"{'shape':<18}" + "".join(f"{n + ('/pp' if pp else '/nopp'):>14}" for n in ops for pp in (1, 0))
+    header += f"{'cuDNN':>10}{'FA2':>10}"
+    print(header)
+    for d in map(int, args.headdims.split(",")):
+        for causal in (c == "1" for c in args.causal.split(",")):
+            for s in map(int, args.seqlens.split(",")):
+                b, h = 16384 // s, 2048 // d
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                scale = 1 / math.sqrt(d)
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                ref, _ = attention_ref(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], causal=causal)
+                err_pt = (attention_lowp(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], causal=causal).double() - ref).abs().max().item()
+                row = f"d{d} {'C' if causal else 'N'} s{s:<10}"
+                for name, ns in ops.items():
+                    for pp in (1, 0):
+                        os.environ["FLASH_EXT_PINGPONG"] = str(pp)
+                        try:
+                            out, _ = ns.fwd(q, k, v, scale, causal)
+                            err = (out[:1, :, :2].double() - ref).abs().max().item()
+                            if not err <= 2 * err_pt + 1e-3:
+                                row += f"{'WRONG':>14}"
+                                continue
+                            ms = timed(lambda: ns.fwd(q, k, v, scale, causal))
+                            row += f"{flops / ms / 1e9:>14.1f}"
+                        except RuntimeError as e:
+                            row += f"{'n/a':>14}"
+                            print("   ", name, pp, str(e).splitlines()[0])
+                os.environ.pop("FLASH_EXT_PINGPONG", None)
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+                    with sdpa_kernel(backend):
+                        ms = timed(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                    row += f"{flops / ms / 1e9:>10.1f}"
+                print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
