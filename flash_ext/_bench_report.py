@@ -426,6 +426,7 @@ ENV_KEYS = (
     "sm_count",
     "sm_clock_mhz",
     "sm_clock_max_mhz",
+    "sm_clock_after_run_mhz",
     "driver_version",
     "cuda_version",
     "torch_version",

@@ -1145,7 +1145,11 @@ def collect_env(device=None):
 # =============================================================================================
 def _title(mode, env, args, metric="TFLOP/s"):
     gpu = env.get("gpu_name") or "unknown GPU"
-    clock = f", SM {env['sm_clock_mhz']} MHz" if env.get("sm_clock_mhz") else ""
+    clock = ""
+    if env.get("sm_clock_after_run_mhz"):
+        clock = f", SM clock {env['sm_clock_after_run_mhz']} MHz at the end (max {env.get('sm_clock_max_mhz')})"
+    elif env.get("sm_clock_mhz"):
+        clock = f", SM clock {env['sm_clock_mhz']} MHz at the start"
     return (
         f"== {rep.MODE_TITLES.get(mode, mode)} | {args.dtype} | {gpu}{clock} | {metric}, median of do_bench "
         f"(warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms) =="
@@ -1242,6 +1246,8 @@ def main(argv=None):
         fatal = "interrupted"
     config["elapsed_s"] = round(time.monotonic() - t0, 1)
     config["stopped_early"] = fatal
+    if device.type == "cuda":  # the clock under load (the one read at start is usually the idle clock)
+        env["sm_clock_after_run_mhz"] = _nvidia_smi(device.index or 0).get("sm_clock_mhz")
     text, paths = write_outputs(args.out, args.name, env, config, records, args, backend_keys, command)
     print(text)
     print(f"\nwrote {', '.join(paths)} in {config['elapsed_s']:.0f} s", file=sys.stderr)
