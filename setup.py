@@ -106,7 +106,8 @@ def _variant():
 def _extension():
     sources, defines = _selected_kernels()
     module, variant_defines = _variant()
-    common = ["-DPy_LIMITED_API=0x03090000", "-DNDEBUG"] + defines + variant_defines
+    # py_limited_api=True makes torch define Py_LIMITED_API (3.10 stable ABI) for both compilers.
+    common = ["-DNDEBUG"] + defines + variant_defines
     nvcc = [
         "-O3",
         "-std=c++17",
@@ -144,6 +145,6 @@ setup(
     packages=find_packages(include=["flash_ext", "flash_ext.*"]),
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
-    python_requires=">=3.9",
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    python_requires=">=3.10",
 )
