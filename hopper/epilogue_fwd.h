@@ -24,7 +24,7 @@ struct FwdEpilogue {
   __device__ static void store(Params const& params, typename Traits::SharedStorage& storage, TileCoord const& tile,
                                int thread_idx, FragO const& tOrO, FragLse const& lse) {
     using TiledMmaPV = typename Traits::TiledMmaPV;
-    Tensor sO = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Traits::SmemLayoutO{});
+    Tensor sO = make_tensor(make_smem_ptr(storage.smem_o_ptr()), typename Traits::SmemLayoutO{});
 
     Tensor tOrO_out = make_tensor_like<Element>(tOrO);
     convert_into(tOrO, tOrO_out);
@@ -34,8 +34,15 @@ struct FwdEpilogue {
     Tensor taccOrO = smem_thread_copy_o.retile_S(tOrO_out);
     Tensor taccOsO = smem_thread_copy_o.partition_D(sO);
 
-    // Every consumer warpgroup is past its last GEMM0 before O overwrites Q.
+    // O's own buffer is free again once the previous tile's store has read it.
+    if constexpr (Traits::kSeparateO) {
+      if (thread_idx == 0) { tma_store_wait<0>(); }
+    }
+    // Every consumer warpgroup is past its last GEMM0 (which reads Q) and the buffer is free.
     cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
+    if constexpr (Traits::kSeparateO) {
+      if (thread_idx == 0) { storage.barrier_q_empty.arrive(); }  // the producer may load the next Q now
+    }
     copy(smem_tiled_copy_o, taccOrO, taccOsO);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA unit
 
@@ -59,8 +66,16 @@ struct FwdEpilogue {
       auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO, tOgO);
       tma_store_arrive();
-      tma_store_wait<0>();  // shared memory must outlive the TMA unit's reads
+      if constexpr (!Traits::kSeparateO) {
+        tma_store_wait<0>();                  // O sits in Q's buffer: the next Q waits for the store to read it
+        storage.barrier_q_empty.arrive();
+      }
     }
+  }
+
+  // Shared memory must outlive the TMA unit's reads of the last tile's O.
+  __device__ static void finish(int thread_idx) {
+    if (thread_idx == 0) { tma_store_wait<0>(); }
   }
 };
 

@@ -41,7 +41,7 @@ struct FwdKernelParams {
   TmaKV tma_v;
   TmaO tma_o;
   float* lse;
-  int seqlen_q, seqlen_k, nheads, qheads_per_kvhead;
+  int batch, seqlen_q, seqlen_k, nheads, qheads_per_kvhead;
   float softmax_scale_log2;
   bool pingpong;  // consumer warpgroups take turns issuing GEMMs (WarpgroupScheduler)
 };
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   using PipelineKV = typename Traits::PipelineKV;
   using Mainloop = FwdMainloop<Traits>;
   using Epilogue = FwdEpilogue<Traits>;
-  using Scheduler = StaticTileScheduler<Traits::kBlockM, Traits::kIsCausal>;
+  using Scheduler = TileScheduler<Traits::kBlockM, Traits::kIsCausal, Traits::kPersistent>;
   using Blocks = BlockRange<Traits::kBlockM, Traits::kBlockN, Traits::kIsCausal>;
 
   extern __shared__ char smem_buf[];
@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
     storage.barrier_q.init(/*arrive_count=*/1);
+    storage.barrier_q_empty.init(/*arrive_count=*/1);
   }
 
   typename PipelineKV::Params pipeline_params;
@@ -81,30 +82,44 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   PipelineKV pipeline_v(storage.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
   __syncthreads();
 
-  TileCoord const tile = Scheduler::tile();
-  int const n_block_min = Blocks::n_block_min();
-  int const n_block_max = Blocks::n_block_max(tile.m_block, params.seqlen_q, params.seqlen_k);
-  bool const tile_has_keys = n_block_max > n_block_min;
+  Scheduler const scheduler(params.seqlen_q, params.nheads, params.batch);
 
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (is_producer_thread && tile_has_keys) {
-      Mainloop::load(params, storage, pipeline_k, pipeline_v, tile, n_block_min, n_block_max);
+    if (is_producer_thread) {
+      typename Traits::PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
+      int iteration = 0;
+      for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t), ++iteration) {
+        TileCoord const tile = scheduler.coord(t);
+        int const n_block_max = Blocks::n_block_max(tile.m_block, params.seqlen_q, params.seqlen_k);
+        Mainloop::load(params, storage, pipeline_k, pipeline_v, write_state, tile, Blocks::n_block_min(), n_block_max,
+                       iteration);
+      }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
-    typename Traits::TiledMmaPV tiled_mma_pv;
-    Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 2>(typename Traits::TileShapeMNK{}));
-    Softmax<2 * decltype(size<1>(tOrO))::value, /*kMaxOffset=*/0> softmax(params.softmax_scale_log2);
-    if (tile_has_keys) {
-      Mainloop::mma(params, storage, pipeline_k, pipeline_v, tile, n_block_min, n_block_max, thread_idx, tOrO, softmax);
-    } else {
-      clear(tOrO);  // no key visible to any row: O = 0, and finalize gives LSE = -inf
+    typename Traits::PipelineState read_k, read_v;  // consumer states start at stage 0, phase 0
+    int iteration = 0;
+    for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t), ++iteration) {
+      TileCoord const tile = scheduler.coord(t);
+      int const n_block_min = Blocks::n_block_min();
+      int const n_block_max = Blocks::n_block_max(tile.m_block, params.seqlen_q, params.seqlen_k);
+      typename Traits::TiledMmaPV tiled_mma_pv;
+      Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 2>(typename Traits::TileShapeMNK{}));
+      Softmax<2 * decltype(size<1>(tOrO))::value, /*kMaxOffset=*/0> softmax(params.softmax_scale_log2);
+      storage.barrier_q.wait(iteration & 1);
+      if (n_block_max > n_block_min) {
+        Mainloop::mma(params, storage, pipeline_k, pipeline_v, read_k, read_v, tile, n_block_min, n_block_max,
+                      thread_idx, tOrO, softmax);
+      } else {
+        clear(tOrO);  // no key visible to any row: O = 0, and finalize gives LSE = -inf
+      }
+      auto scores_scale = softmax.finalize();
+      softmax.rescale_o(tOrO, scores_scale);
+      Epilogue::store(params, storage, tile, thread_idx, tOrO, softmax.row_sum);
     }
-    auto scores_scale = softmax.finalize();
-    softmax.rescale_o(tOrO, scores_scale);
-    Epilogue::store(params, storage, tile, thread_idx, tOrO, softmax.row_sum);
+    Epilogue::finish(thread_idx);
   }
 #endif
 }

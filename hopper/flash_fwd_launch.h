@@ -38,6 +38,7 @@ void run_flash_fwd(FwdParams const& p, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(typename Traits::SmemLayoutV{}), select<1, 2>(TileShapeMNK{}), _1{}),
       make_tma_copy(SM90_TMA_STORE{}, mO, typename Traits::SmemLayoutO{}, select<0, 2>(TileShapeMNK{}), _1{}),
       p.lse_ptr,
+      p.batch,
       p.seqlen_q,
       p.seqlen_k,
       p.nheads,
@@ -46,7 +47,10 @@ void run_flash_fwd(FwdParams const& p, cudaStream_t stream) {
       p.pingpong < 0 ? Traits::kPingPongDefault : p.pingpong != 0,
   };
 
-  dim3 const grid = StaticTileScheduler<Traits::kBlockM, kIsCausal>::grid(p.seqlen_q, p.nheads, p.batch);
+  int device = 0, num_sms = 0;
+  FLASH_CUDA_CHECK(cudaGetDevice(&device));
+  FLASH_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  dim3 const grid = TileScheduler<Traits::kBlockM, kIsCausal, Traits::kPersistent>::grid(p.seqlen_q, p.nheads, p.batch, num_sms);
   int const smem_bytes = Traits::kSharedStorageBytes;
   auto kernel = &flash_fwd_kernel<Traits>;
   FLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));

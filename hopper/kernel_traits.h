@@ -2,6 +2,8 @@
 // GMMA tiled MMAs, shared-memory layouts and the shared storage.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/pipeline.hpp>
@@ -80,6 +82,13 @@ struct FwdKernelTraits {
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayoutMNK{}));
 
+  // Persistent CTAs (TileScheduler) for the equal-cost non-causal tiles; variant builds may override.
+#ifdef FLASH_EXT_PERSISTENT
+  static constexpr bool kPersistent = FLASH_EXT_PERSISTENT;
+#else
+  static constexpr bool kPersistent = !kIsCausal;
+#endif
+
   using SmemLayoutAtom = decltype(smem_layout_atom_k_major<Element, kHeadDim>());
   using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
@@ -87,23 +96,41 @@ struct FwdKernelTraits {
   // The same bytes as V viewed as (headdim, kBlockN, stages): V^T for GEMM1's B operand.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // O is staged through Q's buffer: no GEMM reads Q once the last S is computed.
+  // O is staged in shared memory for the TMA store: in a buffer of its own when a persistent CTA has room
+  // for one (then the next tile's Q can land during the epilogue), else in Q's buffer (no GEMM reads Q
+  // once the tile's last S is computed).
   using SmemLayoutO = SmemLayoutQ;
+  static constexpr int kSmemBytesQ = int(cosize_v<SmemLayoutQ> * sizeof(Element));
+  static constexpr int kSmemBytesKV = int(2 * cosize_v<SmemLayoutK> * sizeof(Element));
+  static constexpr int kSmemLimit = 227 * 1024;
+  static constexpr bool kSeparateO = kPersistent && 2 * kSmemBytesQ + kSmemBytesKV + 1024 <= kSmemLimit;
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename PipelineKV::PipelineState;
   using BarrierQ = cutlass::arch::ClusterTransactionBarrier;
+  using BarrierQEmpty = cutlass::arch::ClusterBarrier;
 
+  struct NoBuffer {};
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
-    alignas(16) BarrierQ barrier_q;
+    alignas(1024) std::conditional_t<kSeparateO, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoBuffer> smem_o;
+    alignas(16) BarrierQ barrier_q;             // Q landed (phase = tile iteration & 1)
+    alignas(16) BarrierQEmpty barrier_q_empty;  // Q's buffer may be overwritten with the next tile's Q
     alignas(16) typename PipelineKV::SharedStorage pipeline_k;
     alignas(16) typename PipelineKV::SharedStorage pipeline_v;
+
+    __device__ __forceinline__ Element* smem_o_ptr() {
+      if constexpr (kSeparateO) {
+        return smem_o.data();
+      } else {
+        return smem_q.data();
+      }
+    }
   };
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
-  static_assert(kSharedStorageBytes <= 227 * 1024, "shared memory over the sm90 limit");
+  static_assert(kSharedStorageBytes <= kSmemLimit, "shared memory over the sm90 limit");
 
   static constexpr uint32_t kTmaBytesQ = uint32_t(size(SmemLayoutQ{}) * sizeof(Element));
   static constexpr uint32_t kTmaBytesKV = uint32_t(size(take<0, 2>(SmemLayoutK{})) * sizeof(Element));

@@ -35,9 +35,13 @@ struct FwdMainloop {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr bool kIsCausal = Traits::kIsCausal;
 
+  // Loads one tile: its first K block, then Q (once the previous tile released Q's buffer: in a
+  // persistent CTA this overlaps the previous tile's epilogue), then the rest, last block first.
+  // A tile that sees no key still gets its Q, so that the Q barriers stay in step with the consumers.
   template <class Params>
   __device__ static void load(Params const& params, SharedStorage& storage, PipelineKV& pipeline_k,
-                              PipelineKV& pipeline_v, TileCoord const& tile, int n_block_min, int n_block_max) {
+                              PipelineKV& pipeline_v, PipelineState& write_state, TileCoord const& tile,
+                              int n_block_min, int n_block_max, int tile_iteration) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Traits::SmemLayoutV{});
@@ -51,31 +55,48 @@ struct FwdMainloop {
     Tensor gV = local_tile(mV, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));             // (N, D, n)
 
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    // (TMA, n blocks) and (TMA, stages); named tensors rather than structured bindings, which C++17
+    // lambdas cannot capture.
+    auto const k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto const v_parts = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    Tensor tKgK = get<0>(k_parts);
+    Tensor tKsK = get<1>(k_parts);
+    Tensor tVgV = get<0>(v_parts);
+    Tensor tVsV = get<1>(v_parts);
 
-    using BarrierType = typename Traits::BarrierQ::ValueType;
-    storage.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
-    copy(params.tma_q.with(reinterpret_cast<BarrierType&>(storage.barrier_q), 0), tQgQ, tQsQ);
-
-    PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
-    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+    auto load_k = [&](int n_block) {
       pipeline_k.producer_acquire(write_state);
       copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_state), 0), tKgK(_, n_block),
            tKsK(_, write_state.index()));
+    };
+    auto load_v = [&](int n_block) {
       pipeline_v.producer_acquire(write_state);
       copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_state), 0), tVgV(_, n_block),
            tVsV(_, write_state.index()));
       ++write_state;
+    };
+
+    bool const has_keys = n_block_max > n_block_min;
+    if (has_keys) { load_k(n_block_max - 1); }
+    if (tile_iteration > 0) { storage.barrier_q_empty.wait((tile_iteration - 1) & 1); }
+    using BarrierType = typename Traits::BarrierQ::ValueType;
+    storage.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
+    copy(params.tma_q.with(reinterpret_cast<BarrierType&>(storage.barrier_q), 0), tQgQ, tQsQ);
+    if (!has_keys) { return; }
+    load_v(n_block_max - 1);
+    for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
+      load_k(n_block);
+      load_v(n_block);
     }
   }
 
   // Computes the un-normalised O of the tile into tOrO and leaves the softmax state ready for finalize.
-  // Requires n_block_max > n_block_min.
+  // Requires n_block_max > n_block_min and Q in shared memory (barrier_q waited on).
   template <class Params, class FragO, class SoftmaxT>
   __device__ static void mma(Params const& params, SharedStorage& storage, PipelineKV& pipeline_k,
-                             PipelineKV& pipeline_v, TileCoord const& tile, int n_block_min, int n_block_max,
-                             int thread_idx, FragO& tOrO, SoftmaxT& softmax) {
+                             PipelineKV& pipeline_v, PipelineState& read_k, PipelineState& read_v,
+                             TileCoord const& tile, int n_block_min, int n_block_max, int thread_idx, FragO& tOrO,
+                             SoftmaxT& softmax) {
     using TiledMmaQK = typename Traits::TiledMmaQK;
     using TiledMmaPV = typename Traits::TiledMmaPV;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Traits::SmemLayoutQ{});
@@ -96,9 +117,6 @@ struct FwdMainloop {
     Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, params.seqlen_q, params.seqlen_k);
     WarpgroupScheduler<Traits::kNumMmaWarpGroups> scheduler(thread_idx / cutlass::NumThreadsPerWarpGroup,
                                                             Traits::kPingPongCompiled && params.pingpong);
-    PipelineState read_k, read_v;  // consumer states start at stage 0, phase 0
-
-    storage.barrier_q.wait(0);
 
     // First block (the last in key order): the only one that can be partial in seqlen_k.
     int n_block = n_block_max - 1;

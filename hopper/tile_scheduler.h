@@ -1,8 +1,11 @@
-// Which output tile (m_block, head, batch) a CTA computes, and which K/V blocks that tile needs.
+// Which output tiles (m_block, head, batch) a CTA computes, and which K/V blocks a tile needs.
 //
-// One CTA per tile (no persistence yet). The grid is (m blocks, heads, batch) with m fastest, so CTAs
-// running together share a head's K/V in L2. Causal tiles differ in cost, so they are issued longest
-// first (the last m block sees the most keys).
+// Tiles are numbered with m fastest, then head, then batch, so CTAs running together share a head's K/V in
+// L2. Causal tiles differ in cost and are numbered longest first (the last m block sees the most keys).
+//  - One tile per CTA (kPersistent = false): the grid has one CTA per tile and the hardware hands tiles to
+//    SMs as they free up, which balances the uneven causal tiles.
+//  - Persistent (kPersistent = true): one CTA per SM walks tiles first, first + gridDim.x, ...; the
+//    producer loads the next tile while the consumers finish the last one (equal-cost tiles only).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,15 +18,36 @@ struct TileCoord {
   int m_block, head, batch;
 };
 
-template <int kBlockM, bool kIsCausal>
-struct StaticTileScheduler {
-  static dim3 grid(int seqlen_q, int nheads, int batch) {
-    return dim3(unsigned(ceil_div(seqlen_q, kBlockM)), unsigned(nheads), unsigned(batch));
+template <int kBlockM, bool kIsCausal, bool kPersistent>
+struct TileScheduler {
+  int const num_m_blocks, nheads, num_tiles;
+
+  __host__ __device__ TileScheduler(int seqlen_q, int nheads_, int batch)
+      : num_m_blocks(ceil_div(seqlen_q, kBlockM)), nheads(nheads_), num_tiles(num_m_blocks * nheads_ * batch) {}
+
+  static dim3 grid(int seqlen_q, int nheads, int batch, int num_sms) {
+    if constexpr (kPersistent) {
+      TileScheduler const scheduler(seqlen_q, nheads, batch);
+      return dim3(unsigned(min(scheduler.num_tiles, num_sms)));
+    } else {
+      return dim3(unsigned(ceil_div(seqlen_q, kBlockM)), unsigned(nheads), unsigned(batch));
+    }
   }
 
-  __device__ __forceinline__ static TileCoord tile() {
-    int const m_block = kIsCausal ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
-    return {m_block, int(blockIdx.y), int(blockIdx.z)};
+  __device__ __forceinline__ int first() const {
+    if constexpr (kPersistent) {
+      return int(blockIdx.x);
+    } else {
+      return int(blockIdx.x) + num_m_blocks * (int(blockIdx.y) + nheads * int(blockIdx.z));
+    }
+  }
+  __device__ __forceinline__ int next(int tile) const { return kPersistent ? tile + int(gridDim.x) : num_tiles; }
+  __device__ __forceinline__ bool valid(int tile) const { return tile < num_tiles; }
+
+  __device__ __forceinline__ TileCoord coord(int tile) const {
+    int const m = tile % num_m_blocks;
+    int const head_batch = tile / num_m_blocks;
+    return {kIsCausal ? num_m_blocks - 1 - m : m, head_batch % nheads, head_batch / nheads};
   }
 };
 
