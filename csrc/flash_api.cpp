@@ -51,10 +51,10 @@ void check_layout(at::Tensor const& t, char const* name) {
                     "'s data pointer must be 16-byte aligned; call .clone()");
 }
 
-// Developer knob for A/B measurements: FLASH_EXT_PINGPONG=0/1 forces the consumer warpgroup ping-pong
-// off/on; unset keeps each kernel's default.
-int pingpong_override() {
-  char const* value = std::getenv("FLASH_EXT_PINGPONG");
+// Developer knobs for A/B measurements: FLASH_EXT_PINGPONG=0/1 forces the consumer warpgroup ping-pong,
+// FLASH_EXT_PERSISTENT=0/1 the persistent launch, off/on; unset keeps each kernel's choice.
+int env_override(char const* name) {
+  char const* value = std::getenv(name);
   if (value == nullptr || value[0] == '\0') return -1;
   return value[0] == '0' ? 0 : 1;
 }
@@ -149,7 +149,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
   params.nheads_kv = int(nheads_kv);
   params.headdim = int(headdim);
   params.softmax_scale = float(softmax_scale);
-  params.pingpong = pingpong_override();
+  params.pingpong = env_override("FLASH_EXT_PINGPONG");
+  params.persistent = env_override("FLASH_EXT_PERSISTENT");
 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   int const kernel_hdim = kernel_headdim(headdim);

@@ -22,6 +22,8 @@ struct FwdParams {
   float softmax_scale;
   // Consumer warpgroup ping-pong: -1 = the configuration's default, 0 = off, 1 = on (for A/B measurements).
   int pingpong = -1;
+  // Persistent launch (one CTA per SM walking tiles): -1 = by the kernel's heuristic, 0 = off, 1 = on.
+  int persistent = -1;
 };
 
 }  // namespace flash

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   using PipelineKV = typename Traits::PipelineKV;
   using Mainloop = FwdMainloop<Traits>;
   using Epilogue = FwdEpilogue<Traits>;
-  using Scheduler = TileScheduler<Traits::kBlockM, Traits::kIsCausal, Traits::kPersistent>;
+  using Scheduler = TileScheduler<Traits::kBlockM, Traits::kIsCausal>;
   using Blocks = BlockRange<Traits::kBlockM, Traits::kBlockN, Traits::kIsCausal>;
 
   extern __shared__ char smem_buf[];

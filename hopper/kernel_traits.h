@@ -34,10 +34,11 @@ template <int kHeadDim, bool kIsCausal>
 struct FwdTileSize;
 // Causal kernels carry the mask's extra live registers: d64 causal with three consumer warpgroups (160
 // registers each), d192 causal at kBlockN = 112 and d256 causal at kBlockN = 80 spilled, so they use
-// smaller tiles. d128 non-causal gains ~2% at 16k from kBlockN = 176 over 128 (docs/perf-notes.md).
+// smaller tiles. d128 non-causal: kBlockN = 176 ran ~2% faster at 16k, but 128 leaves room for a separate
+// O buffer, which persistent launches need (+12% at 512).
 template <bool C> struct FwdTileSize<64, C>  { static constexpr int kBlockM = C ? 128 : 192, kBlockN = 128; };
 template <bool C> struct FwdTileSize<96, C>  { static constexpr int kBlockM = 128, kBlockN = 128; };
-template <bool C> struct FwdTileSize<128, C> { static constexpr int kBlockM = 128, kBlockN = C ? 128 : 176; };
+template <bool C> struct FwdTileSize<128, C> { static constexpr int kBlockM = 128, kBlockN = 128; };
 template <bool C> struct FwdTileSize<192, C> { static constexpr int kBlockM = 128, kBlockN = C ? 96 : 112; };
 template <bool C> struct FwdTileSize<256, C> { static constexpr int kBlockM = 128, kBlockN = C ? 64 : 80; };
 
@@ -65,10 +66,10 @@ struct FwdKernelTraits {
   // setmaxnreg split of the 64K registers: the producer keeps few, the consumers hold S, P and O.
   static constexpr int kProducerRegs = kNumMmaWarpGroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kNumMmaWarpGroups == 2 ? 240 : 160;
-  // Warpgroup ping-pong (WarpgroupScheduler): +5-14% at d64/d128 and +2% at d256 non-causal on the H200
-  // (docs/perf-notes.md). Compiled out where its extra live registers made ptxas spill (d192/d256 causal).
-  // Where compiled in, FLASH_EXT_PINGPONG=0/1 switches it at run time for A/B measurements.
-  static constexpr bool kPingPongCompiled = kHeadDim <= 128 || !kIsCausal;
+  // Warpgroup ping-pong (WarpgroupScheduler): +5-14% at d64/d128 on the H200, +0-2% at d256
+  // (docs/perf-notes.md); compiled in up to d128 only, since above it its extra live registers made ptxas
+  // spill. Where compiled in, FLASH_EXT_PINGPONG=0/1 switches it at run time for A/B measurements.
+  static constexpr bool kPingPongCompiled = kHeadDim <= 128;
   static constexpr bool kPingPongDefault = kPingPongCompiled;
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
@@ -82,13 +83,6 @@ struct FwdKernelTraits {
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayoutMNK{}));
 
-  // Persistent CTAs (TileScheduler) for the equal-cost non-causal tiles; variant builds may override.
-#ifdef FLASH_EXT_PERSISTENT
-  static constexpr bool kPersistent = FLASH_EXT_PERSISTENT;
-#else
-  static constexpr bool kPersistent = !kIsCausal;
-#endif
-
   using SmemLayoutAtom = decltype(smem_layout_atom_k_major<Element, kHeadDim>());
   using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
@@ -96,14 +90,17 @@ struct FwdKernelTraits {
   // The same bytes as V viewed as (headdim, kBlockN, stages): V^T for GEMM1's B operand.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // O is staged in shared memory for the TMA store: in a buffer of its own when a persistent CTA has room
-  // for one (then the next tile's Q can land during the epilogue), else in Q's buffer (no GEMM reads Q
-  // once the tile's last S is computed).
+  // O is staged in shared memory for the TMA store: in a buffer of its own where it fits (then a
+  // persistent CTA loads the next tile's Q during the epilogue), else in Q's buffer (no GEMM reads Q once
+  // the tile's last S is computed). Persistent launches are only worth it with the separate buffer.
   using SmemLayoutO = SmemLayoutQ;
   static constexpr int kSmemBytesQ = int(cosize_v<SmemLayoutQ> * sizeof(Element));
   static constexpr int kSmemBytesKV = int(2 * cosize_v<SmemLayoutK> * sizeof(Element));
   static constexpr int kSmemLimit = 227 * 1024;
-  static constexpr bool kSeparateO = kPersistent && 2 * kSmemBytesQ + kSmemBytesKV + 1024 <= kSmemLimit;
+  static constexpr bool kSeparateO = 2 * kSmemBytesQ + kSmemBytesKV + 1024 <= kSmemLimit;
+  // Persistent launches pay off while a tile has few K/V blocks (measured: +13% at d64 512, +6% at 1k,
+  // -1..-4% from 2k on, where the hardware's dynamic tile order wins); causal tiles always get one CTA each.
+  static constexpr int kPersistentMaxBlocks = 8;
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename PipelineKV::PipelineState;

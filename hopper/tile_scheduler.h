@@ -1,11 +1,12 @@
 // Which output tiles (m_block, head, batch) a CTA computes, and which K/V blocks a tile needs.
 //
 // Tiles are numbered with m fastest, then head, then batch, so CTAs running together share a head's K/V in
-// L2. Causal tiles differ in cost and are numbered longest first (the last m block sees the most keys).
-//  - One tile per CTA (kPersistent = false): the grid has one CTA per tile and the hardware hands tiles to
-//    SMs as they free up, which balances the uneven causal tiles.
-//  - Persistent (kPersistent = true): one CTA per SM walks tiles first, first + gridDim.x, ...; the
-//    producer loads the next tile while the consumers finish the last one (equal-cost tiles only).
+// L2; causal tiles are numbered longest first (the last m block sees the most keys). The grid is 1-D and
+// CTA c computes tiles c, c + gridDim.x, ...; the host picks the grid size:
+//  - one CTA per tile: the hardware hands tiles to SMs as they free up, which balances uneven (causal)
+//    tiles and run-to-run SM speed differences; best for long sequences;
+//  - persistent, one CTA per SM: the producer loads the next tile while the consumers finish the last one,
+//    which hides the fixed per-tile costs that dominate short sequences.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,30 +19,19 @@ struct TileCoord {
   int m_block, head, batch;
 };
 
-template <int kBlockM, bool kIsCausal, bool kPersistent>
+template <int kBlockM, bool kIsCausal>
 struct TileScheduler {
   int const num_m_blocks, nheads, num_tiles;
 
   __host__ __device__ TileScheduler(int seqlen_q, int nheads_, int batch)
       : num_m_blocks(ceil_div(seqlen_q, kBlockM)), nheads(nheads_), num_tiles(num_m_blocks * nheads_ * batch) {}
 
-  static dim3 grid(int seqlen_q, int nheads, int batch, int num_sms) {
-    if constexpr (kPersistent) {
-      TileScheduler const scheduler(seqlen_q, nheads, batch);
-      return dim3(unsigned(min(scheduler.num_tiles, num_sms)));
-    } else {
-      return dim3(unsigned(ceil_div(seqlen_q, kBlockM)), unsigned(nheads), unsigned(batch));
-    }
+  dim3 grid(bool persistent, int num_sms) const {
+    return dim3(unsigned(persistent ? min(num_tiles, num_sms) : num_tiles));
   }
 
-  __device__ __forceinline__ int first() const {
-    if constexpr (kPersistent) {
-      return int(blockIdx.x);
-    } else {
-      return int(blockIdx.x) + num_m_blocks * (int(blockIdx.y) + nheads * int(blockIdx.z));
-    }
-  }
-  __device__ __forceinline__ int next(int tile) const { return kPersistent ? tile + int(gridDim.x) : num_tiles; }
+  __device__ __forceinline__ int first() const { return int(blockIdx.x); }
+  __device__ __forceinline__ int next(int tile) const { return tile + int(gridDim.x); }
   __device__ __forceinline__ bool valid(int tile) const { return tile < num_tiles; }
 
   __device__ __forceinline__ TileCoord coord(int tile) const {

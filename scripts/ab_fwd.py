@@ -1,7 +1,8 @@
 """A/B timing of forward kernel variants in one process, beside SDPA's cuDNN and flash backends.
 
 Variants: the main build (torch.ops.flash_ext) and any side-by-side builds (scripts/build_variant.sh,
-torch.ops.flash_ext_<name>), each with the consumer warpgroup ping-pong on and off (FLASH_EXT_PINGPONG).
+torch.ops.flash_ext_<name>), each with a run-time switch on and off (--toggle: FLASH_EXT_PINGPONG, the
+consumer warpgroup ping-pong, or FLASH_EXT_PERSISTENT, the persistent launch).
 Every variant is checked against the float64 reference on a slice before it is timed.
 
     PYTHONPATH=$PWD python3 scripts/ab_fwd.py --variants m128 --headdims 64,128,256 --seqlens 1024,8192
@@ -31,6 +32,7 @@ def main():
     parser.add_argument("--headdims", default="64,128,256")
     parser.add_argument("--seqlens", default="1024,8192")
     parser.add_argument("--causal", default="0,1")
+    parser.add_argument("--toggle", default="FLASH_EXT_PINGPONG", choices=("FLASH_EXT_PINGPONG", "FLASH_EXT_PERSISTENT"))
     args = parser.parse_args()
     ops = {"main": torch.ops.flash_ext}
     for name in filter(None, args.variants.split(",")):
@@ -39,7 +41,8 @@ def main():
     for name, ns in ops.items():
         print(f"{name}: {ns.build_info()}")
 
-    header = f"{'shape':<18}" + "".join(f"{n + ('/pp' if pp else '/nopp'):>14}" for n in ops for pp in (1, 0))
+    tag = "pp" if args.toggle == "FLASH_EXT_PINGPONG" else "pers"
+    header = f"{'shape':<18}" + "".join(f"{n + ('/' if on else '/no') + tag:>14}" for n in ops for on in (1, 0))
     header += f"{'cuDNN':>10}{'FA2':>10}"
     print(header)
     for d in map(int, args.headdims.split(",")):
@@ -53,8 +56,8 @@ def main():
                 err_pt = (attention_lowp(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], causal=causal).double() - ref).abs().max().item()
                 row = f"d{d} {'C' if causal else 'N'} s{s:<10}"
                 for name, ns in ops.items():
-                    for pp in (1, 0):
-                        os.environ["FLASH_EXT_PINGPONG"] = str(pp)
+                    for on in (1, 0):
+                        os.environ[args.toggle] = str(on)
                         try:
                             out, _ = ns.fwd(q, k, v, scale, causal)
                             err = (out[:1, :, :2].double() - ref).abs().max().item()
@@ -65,8 +68,8 @@ def main():
                             row += f"{flops / ms / 1e9:>14.1f}"
                         except RuntimeError as e:
                             row += f"{'n/a':>14}"
-                            print("   ", name, pp, str(e).splitlines()[0])
-                os.environ.pop("FLASH_EXT_PINGPONG", None)
+                            print("   ", name, on, str(e).splitlines()[0])
+                os.environ.pop(args.toggle, None)
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                 for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
                     with sdpa_kernel(backend):
