@@ -167,6 +167,17 @@ def test_forward_deterministic(headdim, causal):
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 
+@pytest.mark.parametrize("persistent", ["0", "1"], ids=["one_cta_per_tile", "persistent"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", HEADDIMS)
+def test_forward_launch_modes(headdim, causal, persistent, monkeypatch):
+    """Both launch modes on every kernel, forced through FLASH_EXT_PERSISTENT, with several hundred tiles
+    so that persistent CTAs walk many tiles (and their Q/O buffer hand-overs), with GQA and odd lengths."""
+    monkeypatch.setenv("FLASH_EXT_PERSISTENT", persistent)
+    q, k, v = _make_qkv(3, 333, 777, 40, 8, headdim, torch.bfloat16, seed=headdim + 7 * causal)
+    _check_against_reference(q, k, v, causal)
+
+
 def test_forward_many_heads_and_batches():
     """Grid y/z extents well past one wave, with GQA."""
     q, k, v = _make_qkv(17, 70, 90, 48, 6, 64, torch.float16, seed=5)
