@@ -84,24 +84,33 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   Scheduler const scheduler(params.seqlen_q, params.nheads, params.batch);
 
+  // Kernels that can run persistent walk tiles in a loop; the others compute exactly one tile per CTA
+  // with straight-line code (the loop measured 3-6% slower there, docs/perf-notes.md section 5).
+  auto for_each_tile = [&](auto&& body) {
+    if constexpr (Traits::kPersistentCapable) {
+      int iteration = 0;
+      for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t), ++iteration) { body(t, iteration); }
+    } else {
+      body(scheduler.first(), 0);
+    }
+  };
+
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (is_producer_thread) {
       typename Traits::PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
-      int iteration = 0;
-      for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t), ++iteration) {
+      for_each_tile([&](int t, int iteration) {
         TileCoord const tile = scheduler.coord(t);
         int const n_block_max = Blocks::n_block_max(tile.m_block, params.seqlen_q, params.seqlen_k);
         Mainloop::load(params, storage, pipeline_k, pipeline_v, write_state, tile, Blocks::n_block_min(), n_block_max,
                        iteration);
-      }
+      });
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
     typename Traits::PipelineState read_k, read_v;  // consumer states start at stage 0, phase 0
-    int iteration = 0;
-    for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t), ++iteration) {
+    for_each_tile([&](int t, int iteration) {
       TileCoord const tile = scheduler.coord(t);
       int const n_block_min = Blocks::n_block_min();
       int const n_block_max = Blocks::n_block_max(tile.m_block, params.seqlen_q, params.seqlen_k);
@@ -118,7 +127,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       auto scores_scale = softmax.finalize();
       softmax.rescale_o(tOrO, scores_scale);
       Epilogue::store(params, storage, tile, thread_idx, tOrO, softmax.row_sum);
-    }
+    });
     Epilogue::finish(thread_idx);
   }
 #endif

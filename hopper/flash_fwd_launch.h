@@ -50,8 +50,8 @@ void run_flash_fwd(FwdParams const& p, cudaStream_t stream) {
   int device = 0, num_sms = 0;
   FLASH_CUDA_CHECK(cudaGetDevice(&device));
   FLASH_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  bool persistent = Traits::kSeparateO && !kIsCausal && ceil_div(p.seqlen_k, Traits::kBlockN) <= Traits::kPersistentMaxBlocks;
-  if (p.persistent >= 0) { persistent = p.persistent != 0; }
+  bool persistent = Traits::kPersistentCapable && ceil_div(p.seqlen_k, Traits::kBlockN) <= Traits::kPersistentMaxBlocks;
+  if (p.persistent >= 0) { persistent = Traits::kPersistentCapable && p.persistent != 0; }
   dim3 const grid = TileScheduler<Traits::kBlockM, kIsCausal>(p.seqlen_q, p.nheads, p.batch).grid(persistent, num_sms);
   int const smem_bytes = Traits::kSharedStorageBytes;
   auto kernel = &flash_fwd_kernel<Traits>;

@@ -34,11 +34,11 @@ template <int kHeadDim, bool kIsCausal>
 struct FwdTileSize;
 // Causal kernels carry the mask's extra live registers: d64 causal with three consumer warpgroups (160
 // registers each), d192 causal at kBlockN = 112 and d256 causal at kBlockN = 80 spilled, so they use
-// smaller tiles. d128 non-causal: kBlockN = 176 ran ~2% faster at 16k, but 128 leaves room for a separate
-// O buffer, which persistent launches need (+12% at 512).
+// smaller tiles. d128 non-causal: 128x176 is 3-5% faster from 4k on than 128x128; 128x128 would leave room
+// for the separate O buffer of persistent launches (+13% at 512): long sequences won (section 5).
 template <bool C> struct FwdTileSize<64, C>  { static constexpr int kBlockM = C ? 128 : 192, kBlockN = 128; };
 template <bool C> struct FwdTileSize<96, C>  { static constexpr int kBlockM = 128, kBlockN = 128; };
-template <bool C> struct FwdTileSize<128, C> { static constexpr int kBlockM = 128, kBlockN = 128; };
+template <bool C> struct FwdTileSize<128, C> { static constexpr int kBlockM = 128, kBlockN = C ? 128 : 176; };
 template <bool C> struct FwdTileSize<192, C> { static constexpr int kBlockM = 128, kBlockN = C ? 96 : 112; };
 template <bool C> struct FwdTileSize<256, C> { static constexpr int kBlockM = 128, kBlockN = C ? 64 : 80; };
 
@@ -66,10 +66,10 @@ struct FwdKernelTraits {
   // setmaxnreg split of the 64K registers: the producer keeps few, the consumers hold S, P and O.
   static constexpr int kProducerRegs = kNumMmaWarpGroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kNumMmaWarpGroups == 2 ? 240 : 160;
-  // Warpgroup ping-pong (WarpgroupScheduler): +5-14% at d64/d128 on the H200, +0-2% at d256
-  // (docs/perf-notes.md); compiled in up to d128 only, since above it its extra live registers made ptxas
+  // Warpgroup ping-pong (WarpgroupScheduler): +5-14% at d64/d128 on the H200, +1-4% at d256 non-causal
+  // (docs/perf-notes.md); compiled out of d192/d256 causal, where its extra live registers made ptxas
   // spill. Where compiled in, FLASH_EXT_PINGPONG=0/1 switches it at run time for A/B measurements.
-  static constexpr bool kPingPongCompiled = kHeadDim <= 128;
+  static constexpr bool kPingPongCompiled = kHeadDim <= 128 || !kIsCausal;
   static constexpr bool kPingPongDefault = kPingPongCompiled;
 
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
@@ -97,9 +97,11 @@ struct FwdKernelTraits {
   static constexpr int kSmemBytesQ = int(cosize_v<SmemLayoutQ> * sizeof(Element));
   static constexpr int kSmemBytesKV = int(2 * cosize_v<SmemLayoutK> * sizeof(Element));
   static constexpr int kSmemLimit = 227 * 1024;
-  static constexpr bool kSeparateO = 2 * kSmemBytesQ + kSmemBytesKV + 1024 <= kSmemLimit;
-  // Persistent launches pay off while a tile has few K/V blocks (measured: +13% at d64 512, +6% at 1k,
-  // -1..-4% from 2k on, where the hardware's dynamic tile order wins); causal tiles always get one CTA each.
+  // Persistent launches (non-causal only: equal-cost tiles) need the separate O buffer to pay off:
+  // +12% at 512, +5% at 1k for d64 (docs/perf-notes.md sections 4-5). The host launches them while a tile
+  // has at most kPersistentMaxBlocks K/V blocks; past that one CTA per tile is as fast.
+  static constexpr bool kPersistentCapable = !kIsCausal && 2 * kSmemBytesQ + kSmemBytesKV + 1024 <= kSmemLimit;
+  static constexpr bool kSeparateO = kPersistentCapable;
   static constexpr int kPersistentMaxBlocks = 8;
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;

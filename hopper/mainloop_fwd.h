@@ -35,8 +35,8 @@ struct FwdMainloop {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr bool kIsCausal = Traits::kIsCausal;
 
-  // Loads one tile: its first K block, then Q (once the previous tile released Q's buffer: in a
-  // persistent CTA this overlaps the previous tile's epilogue), then the rest, last block first.
+  // Loads one tile: Q and its K/V blocks, last block first. In a persistent CTA the first K block goes
+  // before Q, whose buffer the previous tile may still hold: that K load overlaps the previous epilogue.
   // A tile that sees no key still gets its Q, so that the Q barriers stay in step with the consumers.
   template <class Params>
   __device__ static void load(Params const& params, SharedStorage& storage, PipelineKV& pipeline_k,
@@ -77,12 +77,15 @@ struct FwdMainloop {
     };
 
     bool const has_keys = n_block_max > n_block_min;
-    if (has_keys) { load_k(n_block_max - 1); }
-    if (tile_iteration > 0) { storage.barrier_q_empty.wait((tile_iteration - 1) & 1); }
+    if constexpr (Traits::kPersistentCapable) {
+      if (has_keys) { load_k(n_block_max - 1); }
+      if (tile_iteration > 0) { storage.barrier_q_empty.wait((tile_iteration - 1) & 1); }
+    }
     using BarrierType = typename Traits::BarrierQ::ValueType;
     storage.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
     copy(params.tma_q.with(reinterpret_cast<BarrierType&>(storage.barrier_q), 0), tQgQ, tQsQ);
     if (!has_keys) { return; }
+    if constexpr (!Traits::kPersistentCapable) { load_k(n_block_max - 1); }
     load_v(n_block_max - 1);
     for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
       load_k(n_block);

@@ -171,8 +171,9 @@ def test_forward_deterministic(headdim, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("headdim", HEADDIMS)
 def test_forward_launch_modes(headdim, causal, persistent, monkeypatch):
-    """Both launch modes on every kernel, forced through FLASH_EXT_PERSISTENT, with several hundred tiles
-    so that persistent CTAs walk many tiles (and their Q/O buffer hand-overs), with GQA and odd lengths."""
+    """Both launch modes, forced through FLASH_EXT_PERSISTENT (kernels that cannot run persistent ignore it),
+    with several hundred tiles so that persistent CTAs walk many tiles and their Q/O buffer hand-overs,
+    with GQA and odd lengths."""
     monkeypatch.setenv("FLASH_EXT_PERSISTENT", persistent)
     q, k, v = _make_qkv(3, 333, 777, 40, 8, headdim, torch.bfloat16, seed=headdim + 7 * causal)
     _check_against_reference(q, k, v, causal)
