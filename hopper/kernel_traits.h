@@ -90,9 +90,9 @@ struct FwdKernelTraits {
   // The same bytes as V viewed as (headdim, kBlockN, stages): V^T for GEMM1's B operand.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // O is staged in shared memory for the TMA store: in a buffer of its own where it fits (then a
-  // persistent CTA loads the next tile's Q during the epilogue), else in Q's buffer (no GEMM reads Q once
-  // the tile's last S is computed). Persistent launches are only worth it with the separate buffer.
+  // O is staged in shared memory for the TMA store: in a buffer of its own in kernels that can run
+  // persistent (then the next tile's Q lands during the epilogue), else in Q's buffer (no GEMM reads Q
+  // once the tile's last S is computed).
   using SmemLayoutO = SmemLayoutQ;
   static constexpr int kSmemBytesQ = int(cosize_v<SmemLayoutQ> * sizeof(Element));
   static constexpr int kSmemBytesKV = int(2 * cosize_v<SmemLayoutK> * sizeof(Element));
