@@ -5,11 +5,11 @@ Build switches (environment variables), so a developer can rebuild one kernel in
   FLASH_EXT_HEADDIMS   comma list of kernel head dims to compile, from 64,96,128,192,256 (default: all)
   FLASH_EXT_DTYPES     comma list from fp16,bf16 (default: both)
   FLASH_EXT_CAUSAL     comma list from 0,1: non-causal and/or causal kernels (default: both)
-  FLASH_EXT_BACKWARD   1/0: compile backward kernels (default 1; there are none yet, see README)
   FLASH_EXT_PTXAS_V    1: print ptxas resource usage (registers, spills, smem) for every kernel
   MAX_JOBS             parallel compile jobs (honoured by torch's ninja build)
   CUDA_HOME            CUDA toolkit (default: /usr/local/cuda, else the directory above `nvcc`)
 """
+import importlib.util
 import os
 import re
 import shutil
@@ -19,8 +19,6 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-ALL_HEADDIMS = (64, 96, 128, 192, 256)
-ALL_DTYPES = ("fp16", "bf16")
 
 
 def _default_cuda_home():
@@ -67,25 +65,29 @@ def _parse_list(name, allowed, default):
     return values
 
 
+def _kernel_table():
+    """flash_ext/kernel_table.py, the one list of kernels, loaded by path (the package imports torch)."""
+    spec = importlib.util.spec_from_file_location("kernel_table", ROOT / "flash_ext" / "kernel_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _selected_kernels():
-    """The generated instantiation files (hopper/instantiations/*.cu) this build compiles, and its defines."""
-    hdims = [int(h) for h in _parse_list("FLASH_EXT_HEADDIMS", ALL_HEADDIMS, ALL_HEADDIMS)]
-    dtypes = _parse_list("FLASH_EXT_DTYPES", ALL_DTYPES, ALL_DTYPES)
+    """The instantiation files (hopper/instantiations/*.cu) this build compiles, and the defines of the op's
+    C++ files (host compiler only: nvcc would split the comma list)."""
+    table = _kernel_table()
+    hdims = [int(h) for h in _parse_list("FLASH_EXT_HEADDIMS", table.KERNEL_HEADDIMS, table.KERNEL_HEADDIMS)]
+    dtypes = _parse_list("FLASH_EXT_DTYPES", tuple(table.DTYPES), tuple(table.DTYPES))
     causal = [c == "1" for c in _parse_list("FLASH_EXT_CAUSAL", ("0", "1"), ("0", "1"))]
-    backward = os.environ.get("FLASH_EXT_BACKWARD", "1").strip() not in ("0", "false", "no", "")
-    pattern = re.compile(r"flash_(fwd|bwd)_hdim(\d+)_(fp16|bf16)(_causal)?_sm90\.cu$")
     sources = []
-    for path in sorted((ROOT / "hopper" / "instantiations").glob("*.cu")):
-        m = pattern.match(path.name)
-        if not m:
-            raise RuntimeError(f"unexpected kernel file name {path.name}; rerun hopper/generate_kernels.py")
-        kind, hdim, dtype, is_causal = m.group(1), int(m.group(2)), m.group(3), bool(m.group(4))
-        if hdim in hdims and dtype in dtypes and is_causal in causal and (kind == "fwd" or backward):
+    for entry in table.all_kernels():
+        path = ROOT / "hopper" / "instantiations" / entry.file_name
+        if not path.exists():
+            raise RuntimeError(f"{path} is missing; run python hopper/generate_kernels.py")
+        if entry.headdim in hdims and entry.dtype in dtypes and entry.causal in causal:
             sources.append(str(path.relative_to(ROOT)))
-    defines = [f"-DFLASH_EXT_HDIM{h}" for h in hdims] + [f"-DFLASH_EXT_{d.upper()}" for d in dtypes]
-    defines += [f"-DFLASH_EXT_CAUSAL{int(c)}" for c in causal]
-    if backward:
-        defines.append("-DFLASH_EXT_BACKWARD")
+    defines = ["-DFLASH_EXT_KERNEL_HEADDIMS=" + ",".join(str(d) for d in table.KERNEL_HEADDIMS)]
     return sources, defines
 
 
@@ -104,10 +106,12 @@ def _variant():
 
 
 def _extension():
-    sources, defines = _selected_kernels()
+    sources, op_defines = _selected_kernels()
     module, variant_defines = _variant()
     # py_limited_api=True makes torch define Py_LIMITED_API (3.10 stable ABI) for both compilers.
-    common = ["-DNDEBUG"] + defines + variant_defines
+    # Hidden visibility: only PyInit is exported, so two builds loaded side by side (variants) never share
+    # a symbol such as the kernel registry.
+    common = ["-DNDEBUG"] + variant_defines
     nvcc = [
         "-O3",
         "-std=c++17",
@@ -124,6 +128,7 @@ def _extension():
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
         # ptxas C7510 (serialized wgmma) means lost performance: make it impossible to miss.
         "-Xptxas=--warn-on-spills",
+        "-Xcompiler=-fvisibility=hidden",
     ] + common
     if os.environ.get("FLASH_EXT_PTXAS_V", "0") == "1":
         nvcc.append("-Xptxas=-v")
@@ -132,9 +137,9 @@ def _extension():
         nvcc.append(f"--threads={threads}")
     return CUDAExtension(
         name=f"flash_ext.{module}",
-        sources=["csrc/flash_api.cpp"] + sources,
+        sources=["csrc/flash_api.cpp", "csrc/arg_checks.cpp"] + sources,
         include_dirs=[str(ROOT / "hopper"), str(ROOT / "csrc"), _cutlass_include()],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + common, "nvcc": nvcc},
+        extra_compile_args={"cxx": ["-O3", "-std=c++17", "-fvisibility=hidden"] + common + op_defines, "nvcc": nvcc},
         py_limited_api=True,
     )
 

@@ -4,10 +4,11 @@
 
 q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), fp16 or bf16 on an
 sm_90 GPU. `flash_ext.reference` holds the float64 reference and the CPU emulation of the kernel's
-online softmax.
+online softmax; `flash_ext.kernel_table` the list of kernels a full build compiles.
 """
-from . import reference
-from .interface import SUPPORTED_HEADDIMS, build_info, extension_available, forward, kernel_headdim
+from . import kernel_table, reference
+from .interface import build_info, extension_available, forward, has_kernel, kernel_headdim
+from .kernel_table import KERNEL_HEADDIMS
 from .reference import attention_ref
 
 __version__ = "0.1.0"
@@ -16,9 +17,11 @@ __all__ = [
     "forward",
     "attention_ref",
     "reference",
+    "kernel_table",
     "build_info",
+    "has_kernel",
     "extension_available",
     "kernel_headdim",
-    "SUPPORTED_HEADDIMS",
+    "KERNEL_HEADDIMS",
     "__version__",
 ]

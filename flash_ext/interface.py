@@ -1,12 +1,15 @@
-"""The public forward API: argument checks (raised before any launch) and the call into the CUDA op."""
+"""The public forward API: the checks of its Python-typed arguments, defaults, and the call into the op.
+
+The argument rules for tensors (shapes, dtypes, strides, devices) are written once, in the C++ op
+(csrc/arg_checks.cpp), which runs them on every call, also on CPU tensors and for callers of
+torch.ops.flash_ext.* directly. They raise ValueError / TypeError naming the argument.
+"""
+import json
 import math
 
 import torch
 
-# Head dims with their own kernels; other multiples of 8 up to 256 run on the next size up.
-SUPPORTED_HEADDIMS = (64, 96, 128, 192, 256)
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-_ALIGN_BYTES = 16  # TMA: base address and every non-unit stride must be multiples of 16 bytes
+from .kernel_table import KERNEL_HEADDIMS, kernel_headdim  # noqa: F401  (re-exported)
 
 _ext_error = None
 try:
@@ -21,19 +24,28 @@ def extension_available():
 
 
 def build_info():
-    """What the loaded extension was compiled with (head dims, dtypes, causal variants, CUDA, CUTLASS)."""
+    """What the loaded extension contains, as a dict:
+
+    kernels: [{"direction": "fwd", "headdim": 128, "dtype": "bf16", "causal": False}, ...] (one per compiled
+    kernel; build switches compile a subset of flash_ext/kernel_table.py), and summaries of it: headdims,
+    dtypes, causal (sorted lists), backward (bool: any backward kernel); cutlass and cuda versions.
+    """
     _require_extension()
-    return torch.ops.flash_ext.build_info()
+    info = json.loads(torch.ops.flash_ext.build_info())
+    kernels = info["kernels"]
+    info["headdims"] = sorted({k["headdim"] for k in kernels})
+    info["dtypes"] = sorted({k["dtype"] for k in kernels})
+    info["causal"] = sorted({k["causal"] for k in kernels})
+    info["backward"] = any(k["direction"] == "bwd" for k in kernels)
+    return info
 
 
-def kernel_headdim(headdim):
-    """The kernel head dim that runs a given head dim (the smallest supported size >= headdim)."""
-    if isinstance(headdim, bool) or not isinstance(headdim, int) or headdim < 8 or headdim % 8 != 0:
-        raise ValueError(f"head dim must be a positive multiple of 8, got {headdim!r}")
-    for d in SUPPORTED_HEADDIMS:
-        if headdim <= d:
-            return d
-    raise ValueError(f"head dim {headdim} is larger than the largest supported ({SUPPORTED_HEADDIMS[-1]})")
+def has_kernel(direction, headdim, dtype, causal, info=None):
+    """Whether the loaded build (or `info`, a build_info() dict) runs `direction` ("fwd"/"bwd") at this head
+    dim (any multiple of 8 up to 256), dtype (torch.float16/bfloat16 or "fp16"/"bf16") and mask."""
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, dtype)
+    wanted = {"direction": direction, "headdim": kernel_headdim(headdim), "dtype": name, "causal": causal}
+    return wanted in (info if info is not None else build_info())["kernels"]
 
 
 def _require_extension():
@@ -44,79 +56,24 @@ def _require_extension():
         )
 
 
-def _check_tensor(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
-        raise ValueError(
-            f"{name} must have 4 dims (batch, seqlen, nheads, headdim), got {t.dim()} dims with shape {tuple(t.shape)}"
-        )
-    if t.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; flash_ext.forward supports torch.float16 and torch.bfloat16")
+def _check_tensors(**tensors):
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def _check_layout(name, t):
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last (headdim) dim, got strides {t.stride()}; call .contiguous()")
-    elem = t.element_size()
-    for dim in range(3):
-        stride_bytes = t.stride(dim) * elem
-        if t.size(dim) > 1 and (stride_bytes <= 0 or stride_bytes % _ALIGN_BYTES != 0 or stride_bytes >= 2**40):
-            raise ValueError(
-                f"{name} stride {t.stride(dim)} of dim {dim} must be a positive multiple of {_ALIGN_BYTES // elem} "
-                f"elements ({_ALIGN_BYTES} bytes) for the TMA loads (expanded or oddly strided views are not); "
-                "call .contiguous()"
-            )
-    if t.data_ptr() % _ALIGN_BYTES != 0:
-        raise ValueError(f"{name}'s data pointer is not {_ALIGN_BYTES}-byte aligned (a view at an odd offset?); call .clone()")
+def _softmax_scale(softmax_scale, headdim):
+    """softmax_scale as a float (default 1/sqrt(headdim)); its value is the op's to check."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(headdim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    return float(softmax_scale)
 
 
-def check_forward_args(q, k, v, softmax_scale=None, causal=False):
-    """Validate forward's arguments; raises TypeError/ValueError/RuntimeError naming the problem."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    batch, seqlen_q, nheads, headdim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    batch_k, seqlen_k, nheads_kv, headdim_k = k.shape
-    if batch_k != batch:
-        raise ValueError(f"batch mismatch: q has batch {batch}, k and v have {batch_k}")
-    if headdim_k != headdim:
-        raise ValueError(f"head dim mismatch: q has {headdim}, k and v have {headdim_k}")
-    if batch < 1 or nheads < 1 or nheads_kv < 1:
-        raise ValueError(f"batch and head counts must be >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if seqlen_q < 1 or seqlen_k < 1:
-        raise ValueError(f"seqlen_q and seqlen_k must be >= 1, got {seqlen_q} and {seqlen_k}")
-    if nheads % nheads_kv != 0:
-        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv}) for MQA/GQA")
-    if headdim % 8 != 0 or not (8 <= headdim <= SUPPORTED_HEADDIMS[-1]):
-        raise ValueError(
-            f"head dim {headdim} is not supported: it must be a multiple of 8 in [8, {SUPPORTED_HEADDIMS[-1]}] "
-            f"(kernels for {SUPPORTED_HEADDIMS}; others run on the next size up)"
-        )
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_layout(name, t)
-    # Device checks last, so that shape and dtype errors are reported for CPU tensors too.
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.device.type != "cuda":
-            raise ValueError(f"{name} is on {t.device}; flash_ext.forward needs CUDA tensors on an sm_90 GPU")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if (major, minor) != (9, 0):
-        raise RuntimeError(
-            f"flash_ext's kernels need an sm_90 (Hopper H100/H200) GPU; {torch.cuda.get_device_name(q.device)} "
-            f"is sm_{major}{minor}"
-        )
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def forward(q, k, v, softmax_scale=None, causal=False):
@@ -134,16 +91,16 @@ def forward(q, k, v, softmax_scale=None, causal=False):
         (out, lse): out like q (batch, seqlen_q, nheads, headdim) in q's dtype, contiguous;
         lse float32 (batch, nheads, seqlen_q), the natural log of the softmax denominators.
     """
-    check_forward_args(q, k, v, softmax_scale, causal)
+    _check_tensors(q=q, k=k, v=v)
+    scale = _softmax_scale(softmax_scale, q.shape[-1] if q.dim() > 0 else 1)
+    _check_bool("causal", causal)
     _require_extension()
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return torch.ops.flash_ext.fwd(q, k, v, float(softmax_scale), causal)
+    return torch.ops.flash_ext.fwd(q, k, v, scale, causal)
 
 
 def _register_fake():
     # Shape inference for torch.compile / meta tensors.
-    if _ext_error is not None or not hasattr(torch.library, "register_fake"):
+    if _ext_error is not None:
         return
 
     @torch.library.register_fake("flash_ext::fwd")

@@ -1,47 +1,77 @@
-// The forward epilogue: O (fp32 registers) -> 16-bit -> shared memory (stmatrix, into Q's buffer) -> one
+// The forward epilogue collective: O (fp32 registers) -> ElementOut -> shared memory (stmatrix) -> one
 // TMA store of the tile (rows past seqlen_q and columns past the real head dim are clipped by the TMA
 // unit); LSE straight from registers, one thread per row.
+//
+// The staging buffer is the epilogue's own (kOwnBuffer) or one the kernel lends it (Q's, which no GEMM
+// reads once the tile's last S is computed). release_input_buffer() is called by one thread once the
+// consumers are past the mainloop and, for a lent buffer, once the TMA store has read it: from then on the
+// producer may load the next tile's Q.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "flash.h"
+#include "layouts.h"
+#include "named_barriers.h"
 #include "tile_scheduler.h"
 #include "utils.h"
-#include "warpgroup_scheduler.h"
 
 namespace flash {
 
 using namespace cute;
 
-template <class Traits>
+template <class ElementOut, int kBlockM, int kHeadDim, class TiledMmaPV, int kNumMmaThreads, bool kOwnBuffer>
 struct FwdEpilogue {
-  using Element = typename Traits::Element;
-  using TileShapeMNK = typename Traits::TileShapeMNK;
-  static constexpr int kBlockM = Traits::kBlockM;
+  using TileShapeMD = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using SmemLayoutO = decltype(smem_layout_k_major<ElementOut>(TileShapeMD{}));
+  static constexpr int kSmemBytes = int(cosize_v<SmemLayoutO> * sizeof(ElementOut));
 
-  template <class Params, class FragO, class FragLse>
-  __device__ static void store(Params const& params, typename Traits::SharedStorage& storage, TileCoord const& tile,
-                               int thread_idx, FragO const& tOrO, FragLse const& lse) {
-    using TiledMmaPV = typename Traits::TiledMmaPV;
-    Tensor sO = make_tensor(make_smem_ptr(storage.smem_o_ptr()), typename Traits::SmemLayoutO{});
+  // Part of the kernel's shared storage only with kOwnBuffer.
+  struct TensorStorage {
+    alignas(1024) cute::array_aligned<ElementOut, cosize_v<SmemLayoutO>, 1024> smem_o;
+  };
 
-    Tensor tOrO_out = make_tensor_like<Element>(tOrO);
+  using GmemTensor = decltype(make_gmem_bshd(static_cast<ElementOut*>(nullptr), GmemShape{}, 0, 0, 0));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutO{}, TileShapeMD{}, _1{}));
+
+  struct Params {
+    GmemShape shape_o;
+    TmaO tma_o;
+    float* lse;  // (batch, nheads, seqlen_q)
+    int seqlen_q, nheads;
+  };
+
+  static Params to_params(FwdParams const& p) {
+    GmemShape const shape_o = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
+    auto const mO = make_gmem_bshd(static_cast<ElementOut*>(p.o_ptr), shape_o, p.o_row_stride, p.o_head_stride, p.o_batch_stride);
+    return {shape_o, make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, TileShapeMD{}, _1{}), p.lse_ptr, p.seqlen_q, p.nheads};
+  }
+
+  __device__ static void prefetch_descriptors(Params const& params) { prefetch_tma_descriptor(params.tma_o.get_tma_descriptor()); }
+
+  template <class FragO, class FragLse, class ReleaseInputBuffer>
+  __device__ static void store(Params const& params, ElementOut* smem_o, TileCoord const& tile, int thread_idx,
+                               FragO const& tOrO, FragLse const& lse, ReleaseInputBuffer&& release_input_buffer) {
+    int const m_block = tile.block;
+    Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
+
+    Tensor tOrO_out = make_tensor_like<ElementOut>(tOrO);
     convert_into(tOrO, tOrO_out);
 
-    auto smem_tiled_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaPV{});
+    auto smem_tiled_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, ElementOut>{}, TiledMmaPV{});
     auto smem_thread_copy_o = smem_tiled_copy_o.get_thread_slice(thread_idx);
     Tensor taccOrO = smem_thread_copy_o.retile_S(tOrO_out);
     Tensor taccOsO = smem_thread_copy_o.partition_D(sO);
 
-    // O's own buffer is free again once the previous tile's store has read it.
-    if constexpr (Traits::kSeparateO) {
+    // An own buffer is free again once the previous tile's store has read it.
+    if constexpr (kOwnBuffer) {
       if (thread_idx == 0) { tma_store_wait<0>(); }
     }
     // Every consumer warpgroup is past its last GEMM0 (which reads Q) and the buffer is free.
-    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
-    if constexpr (Traits::kSeparateO) {
-      if (thread_idx == 0) { storage.barrier_q_empty.arrive(); }  // the producer may load the next Q now
+    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
+    if constexpr (kOwnBuffer) {
+      if (thread_idx == 0) { release_input_buffer(); }
     }
     copy(smem_tiled_copy_o, taccOrO, taccOsO);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA unit
@@ -49,26 +79,26 @@ struct FwdEpilogue {
     // LSE: the thread holding column 0 of a row writes it.
     TiledMmaPV tiled_mma_pv;
     auto thread_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-    Tensor coords = thread_mma_pv.partition_C(make_identity_tensor(select<0, 2>(TileShapeMNK{})));
+    Tensor coords = thread_mma_pv.partition_C(make_identity_tensor(TileShapeMD{}));
     Tensor coords_rc = make_tensor(coords.data(), acc_layout_rowcol(coords.layout()));
     static_assert(decltype(size<0>(coords_rc))::value == decltype(size(lse))::value);
     float* lse_row0 = params.lse + (int64_t(tile.batch) * params.nheads + tile.head) * params.seqlen_q;
     CUTLASS_PRAGMA_UNROLL
     for (int mi = 0; mi < size(lse); ++mi) {
-      int const row = tile.m_block * kBlockM + int(get<0>(coords_rc(mi, 0)));
+      int const row = m_block * kBlockM + int(get<0>(coords_rc(mi, 0)));
       if (int(get<1>(coords_rc(mi, 0))) == 0 && row < params.seqlen_q) { lse_row0[row] = lse(mi); }
     }
 
-    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
+    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
     if (thread_idx == 0) {
-      Tensor mO = params.tma_o.get_tma_tensor(params.shape_q)(_, _, tile.head, tile.batch);
-      Tensor gO = local_tile(mO, select<0, 2>(TileShapeMNK{}), make_coord(tile.m_block, _0{}));
+      Tensor mO = params.tma_o.get_tma_tensor(params.shape_o)(_, _, tile.head, tile.batch);
+      Tensor gO = local_tile(mO, TileShapeMD{}, make_coord(m_block, _0{}));
       auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO, tOgO);
       tma_store_arrive();
-      if constexpr (!Traits::kSeparateO) {
-        tma_store_wait<0>();                  // O sits in Q's buffer: the next Q waits for the store to read it
-        storage.barrier_q_empty.arrive();
+      if constexpr (!kOwnBuffer) {
+        tma_store_wait<0>();  // the lent buffer is needed back: wait until the store has read it
+        release_input_buffer();
       }
     }
   }

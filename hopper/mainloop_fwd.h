@@ -1,4 +1,5 @@
-// The forward mainloop: the producer's TMA loads and the consumers' GEMMs + online softmax.
+// The forward mainloop collective: owns Q, K and V in shared memory, their TMA descriptors and barriers,
+// the producer's loads and the consumers' GEMMs + online softmax.
 //
 // Producer (one thread of warpgroup 0): Q once, then K and V of every needed block, last block first,
 // into kStages-deep pipelines (mbarriers with transaction counts; separate K and V pipelines so GEMM0 of
@@ -10,11 +11,15 @@
 // together; the softmax of block n runs while GEMM1 is still on the tensor cores.
 #pragma once
 
+#include <cmath>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "flash.h"
 #include "mask.h"
+#include "layouts.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
 #include "utils.h"
@@ -24,35 +29,136 @@ namespace flash {
 
 using namespace cute;
 
-template <class Traits>
+template <class Config>
 struct FwdMainloop {
-  using Element = typename Traits::Element;
-  using TileShapeMNK = typename Traits::TileShapeMNK;
-  using PipelineKV = typename Traits::PipelineKV;
-  using PipelineState = typename Traits::PipelineState;
-  using SharedStorage = typename Traits::SharedStorage;
-  static constexpr int kBlockM = Traits::kBlockM;
-  static constexpr int kBlockN = Traits::kBlockN;
-  static constexpr bool kIsCausal = Traits::kIsCausal;
+  using Element = typename Config::Element;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kStages = Config::kStages;
+  static constexpr bool kIsCausal = Config::kIsCausal;
+  static constexpr int kNumMmaWarpGroups = Config::kNumMmaWarpGroups;
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
 
-  // Loads one tile: Q and its K/V blocks, last block first. In a persistent CTA the first K block goes
-  // before Q, whose buffer the previous tile may still hold: that K load overlaps the previous epilogue.
-  // A tile that sees no key still gets its Q, so that the Q barriers stay in step with the consumers.
-  template <class Params>
-  __device__ static void load(Params const& params, SharedStorage& storage, PipelineKV& pipeline_k,
-                              PipelineKV& pipeline_v, PipelineState& write_state, TileCoord const& tile,
-                              int n_block_min, int n_block_max, int tile_iteration) {
-    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Traits::SmemLayoutV{});
+  using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
+  // GEMM0: S = Q K^T, both operands from shared memory, K-major.
+  using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, ElementAccum, TileShapeMNK>(),
+                                             AtomLayoutMNK{}));
+  // GEMM1: O += P V, P from registers. 16-bit V is stored as loaded (head dim contiguous) and read
+  // MN-major as V^T; 8-bit GMMA takes K-major operands only, so FP8 will need V transposed in smem.
+  static_assert(sizeof(Element) == 2, "the FP8 mainloop adds the V transpose");
+  static constexpr GMMA::Major kVMajor = GMMA::Major::MN;
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, kVMajor>(),
+      AtomLayoutMNK{}));
+
+  using SmemLayoutQ = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // The same bytes as V viewed as (headdim, kBlockN, stages): V^T for GEMM1's B operand.
+  using SmemLayoutVt = decltype(transposed_view(SmemLayoutV{}));
+
+  using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename PipelineKV::PipelineState;
+  using BarrierQ = cutlass::arch::ClusterTransactionBarrier;
+  using BarrierQEmpty = cutlass::arch::ClusterBarrier;
+
+  struct TensorStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
+  };
+  struct BarrierStorage {
+    alignas(16) BarrierQ barrier_q;             // Q landed (phase = tile iteration & 1)
+    alignas(16) BarrierQEmpty barrier_q_empty;  // Q's buffer may be overwritten with the next tile's Q
+    alignas(16) typename PipelineKV::SharedStorage pipeline_k;
+    alignas(16) typename PipelineKV::SharedStorage pipeline_v;
+  };
+
+  static constexpr uint32_t kTmaBytesQ = uint32_t(size(SmemLayoutQ{}) * sizeof(Element));
+  static constexpr uint32_t kTmaBytesKV = uint32_t(size(take<0, 2>(SmemLayoutK{})) * sizeof(Element));
+
+  // Global tensors as the TMA units see them: (seqlen, headdim, heads, batch), head dim contiguous.
+  using GmemTensor = decltype(make_gmem_bshd(static_cast<Element const*>(nullptr), GmemShape{}, 0, 0, 0));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{}), _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}),
+                                       select<1, 2>(TileShapeMNK{}), _1{}));
+
+  // Everything the device needs, built on the host from the call's FwdParams.
+  struct Params {
+    GmemShape shape_q, shape_k;
+    TmaQ tma_q;
+    TmaKV tma_k, tma_v;
+    int seqlen_q, seqlen_k, qheads_per_kvhead;
+    float softmax_scale_log2;
+    bool pingpong;  // consumer warpgroups take turns issuing GEMMs (WarpgroupScheduler)
+  };
+
+  static Params to_params(FwdParams const& p) {
+    GmemShape const shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
+    GmemShape const shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_kv, p.batch);
+    auto const mQ = make_gmem_bshd(static_cast<Element const*>(p.q_ptr), shape_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+    auto const mK = make_gmem_bshd(static_cast<Element const*>(p.k_ptr), shape_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+    auto const mV = make_gmem_bshd(static_cast<Element const*>(p.v_ptr), shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+    return {shape_q,
+            shape_k,
+            make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{}), _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeMNK{}), _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), select<1, 2>(TileShapeMNK{}), _1{}),
+            p.seqlen_q,
+            p.seqlen_k,
+            p.nheads / p.nheads_kv,
+            float(p.softmax_scale * M_LOG2E),
+            p.pingpong < 0 ? Config::kPingPong : (Config::kPingPong && p.pingpong != 0)};
+  }
+
+  __device__ static void prefetch_descriptors(Params const& params) {
+    prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+
+  // Called by one thread before the CTA-wide barrier that publishes the barriers.
+  __device__ static void init_barriers(BarrierStorage& barriers) {
+    barriers.barrier_q.init(/*arrive_count=*/1);
+    barriers.barrier_q_empty.init(/*arrive_count=*/1);
+  }
+
+  // Both K/V pipelines; constructed by every thread (warp 0 initialises their barriers).
+  __device__ static typename PipelineKV::Params pipeline_params(bool is_producer_warpgroup, bool is_leader) {
+    typename PipelineKV::Params pipeline_params;
+    pipeline_params.transaction_bytes = kTmaBytesKV;
+    pipeline_params.role = is_producer_warpgroup ? PipelineKV::ThreadCategory::Producer : PipelineKV::ThreadCategory::Consumer;
+    pipeline_params.is_leader = is_leader;
+    pipeline_params.num_consumers = kNumMmaThreads;
+    return pipeline_params;
+  }
+
+  // One thread, once the tile's Q is no longer needed (by GEMM0, nor as the epilogue's staging buffer).
+  __device__ static void release_q(BarrierStorage& barriers) { barriers.barrier_q_empty.arrive(); }
+
+  // Loads one tile: Q and its K/V blocks [0, n_block_max), last block first. When CTAs loop over tiles
+  // (kLoopsOverTiles) the first K block goes before Q, whose buffer the previous tile may still hold: that K
+  // load overlaps the previous epilogue. A tile that sees no key still gets its Q, so that the Q barriers
+  // stay in step with the consumers.
+  template <bool kLoopsOverTiles>
+  __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers,
+                              PipelineKV& pipeline_k, PipelineKV& pipeline_v, PipelineState& write_state,
+                              TileCoord const& tile, int n_block_max, int tile_iteration) {
+    Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(tensors.smem_v.data()), SmemLayoutV{});
 
     int const head_kv = tile.head / params.qheads_per_kvhead;
     Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, tile.head, tile.batch);
     Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, tile.batch);
     Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, tile.batch);
-    Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeMNK{}), make_coord(tile.m_block, _0{}));  // (M, D)
-    Tensor gK = local_tile(mK, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));             // (N, D, n)
-    Tensor gV = local_tile(mV, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));             // (N, D, n)
+    Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeMNK{}), make_coord(tile.block, _0{}));  // (M, D)
+    Tensor gK = local_tile(mK, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));          // (N, D, n)
+    Tensor gV = local_tile(mV, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));          // (N, D, n)
 
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     // (TMA, n blocks) and (TMA, stages); named tensors rather than structured bindings, which C++17
@@ -76,35 +182,36 @@ struct FwdMainloop {
       ++write_state;
     };
 
-    bool const has_keys = n_block_max > n_block_min;
-    if constexpr (Traits::kPersistentCapable) {
+    bool const has_keys = n_block_max > 0;
+    if constexpr (kLoopsOverTiles) {
       if (has_keys) { load_k(n_block_max - 1); }
-      if (tile_iteration > 0) { storage.barrier_q_empty.wait((tile_iteration - 1) & 1); }
+      if (tile_iteration > 0) { barriers.barrier_q_empty.wait((tile_iteration - 1) & 1); }
     }
-    using BarrierType = typename Traits::BarrierQ::ValueType;
-    storage.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
-    copy(params.tma_q.with(reinterpret_cast<BarrierType&>(storage.barrier_q), 0), tQgQ, tQsQ);
+    using BarrierType = typename BarrierQ::ValueType;
+    barriers.barrier_q.arrive_and_expect_tx(kTmaBytesQ);
+    copy(params.tma_q.with(reinterpret_cast<BarrierType&>(barriers.barrier_q), 0), tQgQ, tQsQ);
     if (!has_keys) { return; }
-    if constexpr (!Traits::kPersistentCapable) { load_k(n_block_max - 1); }
+    if constexpr (!kLoopsOverTiles) { load_k(n_block_max - 1); }
     load_v(n_block_max - 1);
-    for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
+    for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
       load_k(n_block);
       load_v(n_block);
     }
   }
 
+  __device__ static void wait_q(BarrierStorage& barriers, int tile_iteration) { barriers.barrier_q.wait(tile_iteration & 1); }
+
   // Computes the un-normalised O of the tile into tOrO and leaves the softmax state ready for finalize.
-  // Requires n_block_max > n_block_min and Q in shared memory (barrier_q waited on).
-  template <class Params, class FragO, class SoftmaxT>
-  __device__ static void mma(Params const& params, SharedStorage& storage, PipelineKV& pipeline_k,
+  // Requires n_block_max > 0 and Q in shared memory (wait_q).
+  template <class FragO, class SoftmaxT>
+  __device__ static void mma(Params const& params, TensorStorage& tensors, PipelineKV& pipeline_k,
                              PipelineKV& pipeline_v, PipelineState& read_k, PipelineState& read_v,
-                             TileCoord const& tile, int n_block_min, int n_block_max, int thread_idx, FragO& tOrO,
-                             SoftmaxT& softmax) {
-    using TiledMmaQK = typename Traits::TiledMmaQK;
-    using TiledMmaPV = typename Traits::TiledMmaPV;
-    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Traits::SmemLayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Traits::SmemLayoutVt{});
+                             TileCoord const& tile, int n_block_max, int thread_idx, FragO& tOrO, SoftmaxT& softmax) {
+    using Blocks = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    int const m_block = tile.block;
+    Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(tensors.smem_v.data()), SmemLayoutVt{});
 
     TiledMmaQK tiled_mma_qk;
     TiledMmaPV tiled_mma_pv;
@@ -115,11 +222,11 @@ struct FwdMainloop {
     Tensor tOrV = thread_mma_pv.partition_fragment_B(sVt);   // (MMA, MMA_N, MMA_K, stages)
     Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
     // P in 16 bits, laid out as GEMM1's register A operand.
-    Tensor tOrP = make_tensor<Element>(acc_layout_to_a_regs(tSrS.layout()));
+    Tensor tOrP = make_tensor<Element>(acc_layout_to_a_regs<Element>(tSrS.layout()));
 
     Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, params.seqlen_q, params.seqlen_k);
-    WarpgroupScheduler<Traits::kNumMmaWarpGroups> scheduler(thread_idx / cutlass::NumThreadsPerWarpGroup,
-                                                            Traits::kPingPongCompiled && params.pingpong);
+    WarpgroupScheduler<kNumMmaWarpGroups> scheduler(thread_idx / cutlass::NumThreadsPerWarpGroup,
+                                                    Config::kPingPong && params.pingpong);
 
     // First block (the last in key order): the only one that can be partial in seqlen_k.
     int n_block = n_block_max - 1;
@@ -127,7 +234,7 @@ struct FwdMainloop {
     warpgroup_gemm<0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
     pipeline_k.consumer_release(read_k);
     ++read_k;
-    mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, tile.m_block, n_block);
+    mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, n_block);
     softmax.template max_get_scale</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
     softmax.template online_softmax</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
     convert_into(tSrS, tOrP);
@@ -146,7 +253,7 @@ struct FwdMainloop {
       warpgroup_fence_operand(tSrS);
       pipeline_k.consumer_release(read_k);
       ++read_k;
-      if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kCausalMask=*/true>(tSrS, tile.m_block, n_block); }
+      if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kCausalMask=*/true>(tSrS, m_block, n_block); }
       auto scores_scale = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
       softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
       warpgroup_wait<0>();  // GEMM1 done: O can be rescaled and P overwritten
@@ -161,10 +268,10 @@ struct FwdMainloop {
     --n_block;
     scheduler.start();
     if constexpr (kIsCausal) {
-      int const n_block_unmasked_end = max(n_block_min, mask.first_causal_masked_block(tile.m_block));
+      int const n_block_unmasked_end = max(0, Blocks::n_block_causal_min(m_block, params.seqlen_q, params.seqlen_k));
       for (; n_block >= n_block_unmasked_end; --n_block) { step(n_block, cute::true_type{}); }
     }
-    for (; n_block >= n_block_min; --n_block) { step(n_block, cute::false_type{}); }
+    for (; n_block >= 0; --n_block) { step(n_block, cute::false_type{}); }
     scheduler.finish();
 
     // GEMM1 of the last block.

@@ -1,4 +1,4 @@
-// Small device helpers shared by the forward kernel: warp reductions, accumulator layout views,
+// Small device helpers shared by the kernels: warp reductions, accumulator layout views,
 // register type conversion and the warpgroup GEMM wrapper.
 #pragma once
 
@@ -60,11 +60,14 @@ CUTE_DEVICE auto make_rowcol_view(Tensor<Engine, Layout>& t) {
   return make_tensor(t.data(), acc_layout_rowcol(t.layout()));
 }
 
-// The A operand of a 16-bit register-sourced GMMA (64x16 per K step) holds, per thread, the values of two
-// consecutive 8-column groups of the accumulator above: ((2, 2, 2), MMA_M, K/16). Its linear register
-// order is the accumulator's, so converting P needs no data movement, only this layout.
-template <class Layout>
+// The A operand of a register-sourced GMMA, for the accumulator layout above: per K step of 32 bytes
+// (16 16-bit values) a thread holds the values of two consecutive 8-column groups of the accumulator,
+// ((2, 2, 2), MMA_M, K/16). For 16-bit types its linear register order is the accumulator's, so
+// converting P needs no data movement, only this layout. (8-bit A operands take 32 values per K step in
+// another register order: the FP8 mainloop permutes P's registers as well.)
+template <class Element, class Layout>
 CUTE_HOST_DEVICE constexpr auto acc_layout_to_a_regs(Layout const& acc) {
+  static_assert(sizeof(Element) == 2, "8-bit A operands need a register permutation");
   static_assert(decltype(rank(acc))::value == 3);
   constexpr int kColGroups = decltype(size<0, 2>(acc))::value;
   static_assert(kColGroups % 2 == 0, "the GEMM0 tile N must be a multiple of 16");

@@ -5,13 +5,9 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 
-namespace flash {
+#include "named_barriers.h"
 
-// Named barrier ids, offset past CUTLASS's reserved ones by NamedBarrier.
-enum class FwdNamedBarriers : uint32_t {
-  kEpilogue = 0,
-  kWarpgroupTurn0 = 1,  // + consumer warpgroup index
-};
+namespace flash {
 
 template <int kNumMmaWarpGroups>
 struct WarpgroupScheduler {

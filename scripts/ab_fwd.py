@@ -32,7 +32,8 @@ def main():
     parser.add_argument("--headdims", default="64,128,256")
     parser.add_argument("--seqlens", default="1024,8192")
     parser.add_argument("--causal", default="0,1")
-    parser.add_argument("--toggle", default="FLASH_EXT_PINGPONG", choices=("FLASH_EXT_PINGPONG", "FLASH_EXT_PERSISTENT"))
+    parser.add_argument("--toggle", default="FLASH_EXT_PINGPONG", choices=("FLASH_EXT_PINGPONG", "FLASH_EXT_PERSISTENT", "none"),
+                        help="a run-time switch to time on and off; none: each kernel's own choice only")
     args = parser.parse_args()
     ops = {"main": torch.ops.flash_ext}
     for name in filter(None, args.variants.split(",")):
@@ -41,8 +42,10 @@ def main():
     for name, ns in ops.items():
         print(f"{name}: {ns.build_info()}")
 
-    tag = "pp" if args.toggle == "FLASH_EXT_PINGPONG" else "pers"
-    header = f"{'shape':<18}" + "".join(f"{n + ('/' if on else '/no') + tag:>14}" for n in ops for on in (1, 0))
+    tag = {"FLASH_EXT_PINGPONG": "pp", "FLASH_EXT_PERSISTENT": "pers", "none": ""}[args.toggle]
+    settings = (None,) if args.toggle == "none" else (1, 0)
+    header = f"{'shape':<18}" + "".join(f"{n + ('' if on is None else ('/' if on else '/no') + tag):>14}"
+                                        for n in ops for on in settings)
     header += f"{'cuDNN':>10}{'FA2':>10}"
     print(header)
     for d in map(int, args.headdims.split(",")):
@@ -56,8 +59,9 @@ def main():
                 err_pt = (attention_lowp(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], causal=causal).double() - ref).abs().max().item()
                 row = f"d{d} {'C' if causal else 'N'} s{s:<10}"
                 for name, ns in ops.items():
-                    for on in (1, 0):
-                        os.environ[args.toggle] = str(on)
+                    for on in settings:
+                        if on is not None:
+                            os.environ[args.toggle] = str(on)
                         try:
                             out, _ = ns.fwd(q, k, v, scale, causal)
                             err = (out[:1, :, :2].double() - ref).abs().max().item()
@@ -69,7 +73,8 @@ def main():
                         except RuntimeError as e:
                             row += f"{'n/a':>14}"
                             print("   ", name, on, str(e).splitlines()[0])
-                os.environ.pop(args.toggle, None)
+                if args.toggle != "none":
+                    os.environ.pop(args.toggle, None)
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                 for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
                     with sdpa_kernel(backend):

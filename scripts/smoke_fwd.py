@@ -16,14 +16,12 @@ SHAPES = [(2, 1, 1, 4, 4), (2, 129, 257, 4, 2), (1, 1000, 777, 6, 1)]  # (batch,
 
 
 def main():
-    info = flash_ext.build_info()
-    print(info, flush=True)
-    built_hdims = info.split(";")[0].split(":")[1].split()
+    print(flash_ext.build_info(), flush=True)
     failures = 0
-    for d in (64, 96, 128, 192, 256):
+    for d in flash_ext.KERNEL_HEADDIMS:
         for dtype in (torch.bfloat16, torch.float16):
             for causal in (False, True):
-                if str(d) not in built_hdims or ("bf16" if dtype == torch.bfloat16 else "fp16") not in info:
+                if not flash_ext.has_kernel("fwd", d, dtype, causal):
                     continue
                 worst = 0.0
                 worst_ratio = 0.0

@@ -16,7 +16,7 @@ from flash_ext.reference import attention_lowp, attention_ref
 
 pytestmark = pytest.mark.gpu
 
-HEADDIMS = (64, 96, 128, 192, 256)
+HEADDIMS = flash_ext.KERNEL_HEADDIMS
 DTYPES = (torch.float16, torch.bfloat16)
 # (seqlen_q, seqlen_k): 1, odd lengths, below/above one tile, q longer and shorter than k, a few thousand.
 SEQLENS = [
@@ -58,13 +58,9 @@ def _make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtype, seed
 
 def _require_kernel(headdim, dtype, causal):
     """Reduced builds (FLASH_EXT_HEADDIMS, ...) lack some kernels: skip those cases with the reason."""
-    info = dict(part.strip().split(":", 1) for part in flash_ext.build_info().split(";") if ":" in part)
-    kernel = str(flash_ext.kernel_headdim(headdim))
-    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    if kernel not in info["headdims"].split() or dtype_name not in info["dtypes"].split():
-        pytest.skip(f"this build has no {dtype_name} head dim {kernel} kernel ({flash_ext.build_info()})")
-    if ("yes" if causal else "no") not in info["causal"].split():
-        pytest.skip(f"this build has no {'causal' if causal else 'non-causal'} kernels")
+    if not flash_ext.has_kernel("fwd", headdim, dtype, causal):
+        mask = "causal" if causal else "non-causal"
+        pytest.skip(f"this build has no {dtype} head dim {flash_ext.kernel_headdim(headdim)} {mask} forward kernel")
 
 
 def _check_against_reference(q, k, v, causal, softmax_scale=None):
@@ -219,7 +215,6 @@ def test_forward_gpu_argument_errors():
 
 @pytest.mark.skipif(os.environ.get("FLASH_EXT_REDUCED_BUILD") == "1", reason="FLASH_EXT_REDUCED_BUILD=1: a partial build on purpose")
 def test_build_info_lists_every_kernel():
-    info = flash_ext.build_info()
-    for d in HEADDIMS:
-        assert f" {d}" in info.split(";")[0]
-    assert "fp16" in info and "bf16" in info
+    compiled = flash_ext.build_info()["kernels"]
+    expected = [vars(k) for k in flash_ext.kernel_table.all_kernels()]
+    assert sorted(map(str, compiled)) == sorted(map(str, expected))

@@ -1,0 +1,141 @@
+#include "arg_checks.h"
+
+#include <c10/core/ScalarType.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#ifndef FLASH_EXT_KERNEL_HEADDIMS
+#error "setup.py passes FLASH_EXT_KERNEL_HEADDIMS from flash_ext/kernel_table.py"
+#endif
+
+namespace flash_api {
+namespace {
+
+constexpr int kKernelHeadDims[] = {FLASH_EXT_KERNEL_HEADDIMS};
+constexpr int kMaxHeadDim = kKernelHeadDims[sizeof(kKernelHeadDims) / sizeof(int) - 1];
+
+// Messages speak Python: torch.float16, (1, 8, 2, 64).
+std::string torch_name(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2: return "torch.float8_e5m2";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+std::string tuple_str(at::IntArrayRef v) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < v.size(); ++i) { s << (i ? ", " : "") << v[i]; }
+  s << (v.size() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+void check_rank_and_dtype(at::Tensor const& t, char const* name, char const* op) {
+  TORCH_CHECK_VALUE(t.dim() == 4, name, " must have 4 dims (batch, seqlen, nheads, headdim), got ", t.dim(),
+                    " dims with shape ", tuple_str(t.sizes()));
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, name, " has dtype ",
+                   torch_name(t.scalar_type()), "; ", op, " supports torch.float16 and torch.bfloat16");
+}
+
+void check_layout(at::Tensor const& t, char const* name) {
+  TORCH_CHECK_VALUE(t.stride(-1) == 1, name, " must be contiguous in its last (headdim) dim, got strides ",
+                    tuple_str(t.strides()), "; call .contiguous()");
+  int64_t const elem = int64_t(t.element_size());
+  for (int dim = 0; dim < t.dim() - 1; ++dim) {
+    int64_t const stride_bytes = tma_stride(t, dim) * elem;
+    TORCH_CHECK_VALUE(stride_bytes > 0 && stride_bytes % kAlignBytes == 0 && stride_bytes < (int64_t(1) << 40), name,
+                      " stride ", t.stride(dim), " of dim ", dim, " must be a positive multiple of ", kAlignBytes / elem,
+                      " elements (", kAlignBytes, " bytes) for the TMA loads (expanded or oddly strided views are not); "
+                      "call .contiguous()");
+  }
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignBytes == 0, name, "'s data pointer is not ",
+                    kAlignBytes, "-byte aligned (a view at an odd offset?); call .clone()");
+}
+
+// sm_90 is checked once per device.
+void check_sm90(at::Device device) {
+  static std::atomic<bool> checked[64] = {};
+  int const index = device.index();
+  TORCH_CHECK(index >= 0 && index < 64, "flash_ext supports device indices below 64");
+  if (checked[index].load(std::memory_order_relaxed)) return;
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index));
+  TORCH_CHECK(major == 9 && minor == 0, "flash_ext's kernels need an sm_90 (Hopper H100/H200) GPU; device ", index,
+              " is sm_", major, minor);
+  checked[index].store(true, std::memory_order_relaxed);
+}
+
+}  // namespace
+
+int64_t tma_stride(at::Tensor const& t, int dim) {
+  return t.size(dim) == 1 ? kAlignBytes / int64_t(t.element_size()) : t.stride(dim);
+}
+
+int kernel_headdim(int64_t headdim) {
+  for (int d : kKernelHeadDims) {
+    if (headdim <= d) return d;
+  }
+  return -1;
+}
+
+AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale,
+                         char const* op) {
+  check_rank_and_dtype(q, "q", op);
+  check_rank_and_dtype(k, "k", op);
+  check_rank_and_dtype(v, "v", op);
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+                   "q, k, v must share one dtype, got q ", torch_name(q.scalar_type()), ", k ", torch_name(k.scalar_type()),
+                   ", v ", torch_name(v.scalar_type()));
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got k ", tuple_str(k.sizes()), " and v ",
+                    tuple_str(v.sizes()));
+  AttentionShape const s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+  TORCH_CHECK_VALUE(k.size(0) == s.batch, "batch mismatch: q has batch ", s.batch, ", k and v have ", k.size(0));
+  TORCH_CHECK_VALUE(k.size(3) == s.headdim, "head dim mismatch: q has ", s.headdim, ", k and v have ", k.size(3));
+  TORCH_CHECK_VALUE(s.batch >= 1 && s.nheads >= 1 && s.nheads_kv >= 1, "batch and head counts must be >= 1, got q ",
+                    tuple_str(q.sizes()), ", k ", tuple_str(k.sizes()));
+  TORCH_CHECK_VALUE(s.seqlen_q >= 1 && s.seqlen_k >= 1, "seqlen_q and seqlen_k must be >= 1, got ", s.seqlen_q, " and ",
+                    s.seqlen_k);
+  TORCH_CHECK_VALUE(s.nheads % s.nheads_kv == 0, "nheads (", s.nheads, ") must be a multiple of nheads_kv (", s.nheads_kv,
+                    ") for MQA/GQA");
+  TORCH_CHECK_VALUE(s.headdim % 8 == 0 && s.headdim >= 8 && s.headdim <= kMaxHeadDim, "head dim ", s.headdim,
+                    " is not supported: it must be a multiple of 8 in [8, ", kMaxHeadDim, "] (kernels for ",
+                    tuple_str(at::IntArrayRef(std::vector<int64_t>(std::begin(kKernelHeadDims), std::end(kKernelHeadDims)))),
+                    "; others run on the next size up)");
+  // The kernels index rows, tiles and heads with 32-bit integers (tiles of at least 64 rows).
+  TORCH_CHECK_VALUE(s.seqlen_q < (int64_t(1) << 31) && s.seqlen_k < (int64_t(1) << 31) &&
+                        s.batch * s.nheads * ((std::max(s.seqlen_q, s.seqlen_k) + 63) / 64) < (int64_t(1) << 31),
+                    "problem too large: batch * nheads * seqlen / 64 must stay below 2^31, got q ", tuple_str(q.sizes()),
+                    ", k ", tuple_str(k.sizes()));
+  TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be a finite positive number, got ",
+                    softmax_scale);
+  check_layout(q, "q");
+  check_layout(k, "k");
+  check_layout(v, "v");
+  // Device checks last, so that shape and dtype errors are reported for CPU tensors too.
+  for (auto const& [t, name] : {std::pair<at::Tensor const&, char const*>{q, "q"}, {k, "k"}, {v, "v"}}) {
+    TORCH_CHECK_VALUE(t.is_cuda(), name, " is on ", t.device().str(), "; ", op, " needs CUDA tensors on an sm_90 GPU");
+  }
+  TORCH_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(), "q, k, v must be on one device, got ",
+                    q.device().str(), ", ", k.device().str(), ", ", v.device().str());
+  check_sm90(q.device());
+  return s;
+}
+
+}  // namespace flash_api

@@ -1,0 +1,57 @@
+// Layout helpers shared by the collectives: swizzled shared-memory layouts for GMMA/TMA tiles, their
+// transposed views, and the global tensors as the TMA units see them.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+namespace flash {
+
+using namespace cute;
+
+// K-major shared-memory atom for a tile whose contiguous extent is kExtent elements: the widest swizzle
+// that divides it (the 128-byte swizzle spans 128 bytes of the contiguous dim).
+template <class Element, int kExtent>
+CUTE_HOST_DEVICE constexpr auto smem_layout_atom_k_major() {
+  constexpr int kBytes = kExtent * int(sizeof(Element));
+  if constexpr (kBytes % 128 == 0) {
+    return GMMA::Layout_K_SW128_Atom<Element>{};
+  } else if constexpr (kBytes % 64 == 0) {
+    return GMMA::Layout_K_SW64_Atom<Element>{};
+  } else {
+    static_assert(kBytes % 32 == 0, "the contiguous extent must be a multiple of 32 bytes");
+    return GMMA::Layout_K_SW32_Atom<Element>{};
+  }
+}
+
+// A (rows, cols[, stages]) tile with cols contiguous, tiled by the atom above.
+template <class Element, class TileShape>
+CUTE_HOST_DEVICE constexpr auto smem_layout_k_major(TileShape const& shape) {
+  constexpr int kCols = decltype(size<1>(shape))::value;
+  return tile_to_shape(smem_layout_atom_k_major<Element, kCols>(), shape);
+}
+
+// The same bytes as a (rows, cols, stages) layout, viewed as (cols, rows, stages): e.g. V stored with the
+// head dim contiguous read as V^T, an MN-major GMMA operand.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto transposed_view(Layout const& layout) {
+  static_assert(decltype(rank(layout))::value == 2 || decltype(rank(layout))::value == 3);
+  if constexpr (decltype(rank(layout))::value == 3) {
+    auto const shape_t = make_shape(size<1>(layout), size<0>(layout), size<2>(layout));
+    return composition(layout, make_ordered_layout(shape_t, Step<_2, _1, _3>{}));
+  } else {
+    auto const shape_t = make_shape(size<1>(layout), size<0>(layout));
+    return composition(layout, make_ordered_layout(shape_t, Step<_2, _1>{}));
+  }
+}
+
+// (seqlen, headdim, heads, batch) with the head dim contiguous: q, k, v, o and their gradients.
+using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+
+template <class Element>
+CUTE_HOST_DEVICE auto make_gmem_bshd(Element* ptr, GmemShape const& shape, int64_t row_stride, int64_t head_stride,
+                                     int64_t batch_stride) {
+  return make_tensor(make_gmem_ptr(ptr), shape, GmemStride{row_stride, _1{}, head_stride, batch_stride});
+}
+
+}  // namespace flash
