@@ -8,6 +8,8 @@ get out = 0 and lse = -inf.
 - attention_ref: the float64 ground truth (out, lse).
 - attention_lowp: attention in the inputs' own dtype, the yardstick of FlashAttention's error rule
   (the kernel's max error vs attention_ref must stay within ~2x that of attention_lowp).
+- attention_autograd: the same two computations (float64, or the inputs' dtype as PyTorch's math attention
+  runs it), differentiable through torch.autograd and returning (out, lse): the reference of the backward.
 - softmax_three_pass / softmax_online_two_pass: the seed's strategies 1 and 2 on the rows of a 2-D tensor.
 - OnlineSoftmax / attention_tiled: strategy 3, the kernel's single-pass tiled loop (Softmax<kNRows, Max_offset>
   of hopper/softmax.h and the mainloop's call order), for checking its numerics on the CPU.
@@ -131,6 +133,38 @@ def attention_lowp(q, k, v, softmax_scale=None, causal=False):
         probs = torch.softmax(scores.float(), dim=-1).nan_to_num_(nan=0.0).to(q.dtype)  # all -inf row: NaN -> 0
         out[heads, rows] = torch.matmul(probs, vf[kv])
     return _to_bshd(out, batch, nheads)
+
+
+def attention_autograd(q, k, v, softmax_scale=None, causal=False, upcast=True):
+    """Differentiable attention for gradient references: (out, lse), with lse (b, h, sq) float.
+
+    upcast=True computes in float64 (the ground truth of the backward: float64 autograd); upcast=False as
+    PyTorch's math attention runs in the inputs' dtype ((q * scale) K^T and P V in that dtype, softmax in
+    float32), the baseline of the error rule. GQA by repeating K/V per query head, so autograd sums dk/dv
+    over each group. Rows that see no key give out 0 and lse -inf, with zero (never NaN) gradients. Builds
+    the whole (b, h, sq, sk) score tensor: meant for test-sized problems.
+    """
+    _check_shapes(q, k, v)
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    scale = _default_scale(softmax_scale, headdim)
+    group = nheads // k.shape[2]
+    compute = torch.float64 if upcast else q.dtype
+    soft = torch.float64 if upcast else torch.float32
+    qh = q.to(compute).transpose(1, 2)
+    kh = k.to(compute).repeat_interleave(group, dim=2).transpose(1, 2)
+    vh = v.to(compute).repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = (torch.matmul(qh, kh.transpose(-1, -2)) * scale if upcast
+              else torch.matmul(qh * scale, kh.transpose(-1, -2))).to(soft)
+    rows = torch.arange(seqlen_q, device=q.device)
+    visible = _visible(rows, torch.arange(seqlen_k, device=q.device), seqlen_q, seqlen_k, causal)
+    # A finite fill keeps the softmax of a fully masked row NaN-free; its row is zeroed below.
+    scores = scores.masked_fill(~visible, -1e30)
+    any_visible = visible.any(dim=-1)  # (sq,)
+    lse = torch.where(any_visible, torch.logsumexp(scores, dim=-1), -math.inf)
+    probs = torch.softmax(scores, dim=-1) * any_visible[:, None].to(soft)
+    out = torch.matmul(probs.to(compute), vh).transpose(1, 2)
+    return out, lse
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,258 @@
+"""The timed backends: flash_ext, FlashAttention-3, SDPA (cuDNN, flash, memory-efficient, math) and Flex.
+
+A backend gives the runner two closures built OUTSIDE the timed region: fn() launches exactly the timed
+work, and post(fn's result) returns (b, s, h, d) tensors for the check: the output (fwd) or dq, dk, dv (bwd).
+"""
+import contextlib
+import functools
+import importlib.util
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_ext
+
+from .records import NA, SKIPPED
+
+
+def _first(res):
+    """The output of an op that returns out or (out, lse, ...)."""
+    return res[0] if isinstance(res, (tuple, list)) else res
+
+
+class Backend:
+    """Runs call() on inputs in its native layout; the backward goes through torch.autograd."""
+
+    key = "?"
+    bhsd = False  # True: the op takes (b, h, s, d), given as transposed views of the (b, s, h, d) inputs
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.unavailable = self.check_available()  # why it cannot run at all in this process, or None
+
+    def check_available(self):
+        return None
+
+    def refuse(self, shape, mode):
+        """(status, reason) when it does not run this shape/mode, known without running; else None."""
+        return None
+
+    def context(self):
+        return contextlib.nullcontext()
+
+    def prepare(self, shape, scale, device):
+        """Per-shape state built outside the timed region (masks...)."""
+        return None
+
+    def call(self, q, k, v, shape, scale, state):
+        raise NotImplementedError
+
+    def native(self, t):
+        """(b, s, h, d) <-> the op's layout (a transpose is its own inverse)."""
+        return t.transpose(1, 2) if self.bhsd else t
+
+    def make_fwd(self, q, k, v, shape, scale):
+        state = self.prepare(shape, scale, q.device)
+        qn, kn, vn = (self.native(t) for t in (q, k, v))
+
+        def fn():
+            return self.call(qn, kn, vn, shape, scale, state)
+
+        return fn, lambda res: self.native(_first(res))
+
+    def make_bwd(self, q, k, v, dout, shape, scale):
+        """One forward with grad here; fn() = torch.autograd.grad(out, (q, k, v), dout), keeping the graph."""
+        leaves = [self.native(t).detach().requires_grad_(True) for t in (q, k, v)]
+        out = _first(self.call(*leaves, shape, scale, self.prepare(shape, scale, q.device)))
+        grad = torch.empty_like(out)  # dout in the output's own layout, as a training step would give it
+        grad.copy_(self.native(dout))
+
+        def fn():
+            return torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+        return fn, lambda grads: tuple(self.native(g) for g in grads)
+
+
+def flash_ext_has_backward():
+    """True when the loaded flash_ext build has at least one backward kernel."""
+    return flash_ext.extension_available() and flash_ext.build_info()["backward"]
+
+
+class FlashExtBackend(Backend):
+    key = "flash_ext"
+
+    def __init__(self, cfg):
+        # What the loaded build compiled (kernels, dtypes, backward...); None when the extension did not load.
+        self.info = flash_ext.build_info() if flash_ext.extension_available() else None
+        super().__init__(cfg)
+
+    def check_available(self):
+        return None if self.info is not None else "flash_ext extension not built (or it failed to load)"
+
+    def refuse(self, shape, mode):
+        dtype = self.cfg.dtype
+        if dtype not in self.info["dtypes"]:
+            return SKIPPED, f"{dtype} not in this flash_ext build (it has {', '.join(self.info['dtypes'])})"
+        if mode == "bwd" and not self.info["backward"]:
+            return NA, "no backward in this flash_ext build"
+        try:
+            headdim = flash_ext.kernel_headdim(shape.headdim)
+        except ValueError as e:
+            return SKIPPED, str(e)
+        if not flash_ext.has_kernel(mode, headdim, dtype, shape.causal, info=self.info):
+            mask = "causal" if shape.causal else "non-causal"
+            return SKIPPED, f"no {mode} kernel for d{headdim} {dtype} {mask} in this flash_ext build"
+        return None
+
+    def make_fwd(self, q, k, v, shape, scale):
+        def fn():
+            return flash_ext.forward(q, k, v, softmax_scale=scale, causal=shape.causal)
+
+        return fn, lambda res: res[0]
+
+    def make_bwd(self, q, k, v, dout, shape, scale):
+        out, lse = flash_ext.forward(q, k, v, softmax_scale=scale, causal=shape.causal)
+
+        def fn():
+            return flash_ext.backward(
+                dout, q, k, v, out, lse, softmax_scale=scale, causal=shape.causal, deterministic=self.cfg.deterministic
+            )
+
+        return fn, tuple
+
+
+def fa3_importable():
+    """Whether flash_attn_interface (FlashAttention-3) is installed, without importing it."""
+    return importlib.util.find_spec("flash_attn_interface") is not None
+
+
+class FA3Backend(Backend):
+    key = "fa3"
+
+    def check_available(self):
+        try:
+            import flash_attn_interface  # noqa: F401
+        except Exception as e:  # not installed, or a broken build (missing symbols...)
+            return f"flash_attn_interface not importable ({type(e).__name__}: {e})"
+        return None
+
+    def refuse(self, shape, mode):
+        if self.cfg.dtype == "fp8" and mode == "bwd":
+            return NA, "FA3 has no fp8 backward"
+        return None
+
+    def prepare(self, shape, scale, device):
+        import flash_attn_interface  # optional: imported only once check_available() found it
+
+        return flash_attn_interface.flash_attn_func
+
+    def call(self, q, k, v, shape, scale, state):
+        return state(q, k, v, softmax_scale=scale, causal=shape.causal)
+
+
+class SDPABackend(Backend):
+    bhsd = True
+    sdp_backend = None  # a torch.nn.attention.SDPBackend
+    native_lower_right = False  # True: takes causal_lower_right(sq, sk) natively (flash, efficient)
+
+    def refuse(self, shape, mode):
+        if self.cfg.dtype == "fp8":
+            return SKIPPED, "SDPA has no fp8 attention"
+        return None
+
+    def context(self):
+        return sdpa_kernel(self.sdp_backend)
+
+    def prepare(self, shape, scale, device):
+        kwargs = {"scale": scale, "enable_gqa": shape.nheads != shape.nheads_kv}
+        sq, sk = shape.seqlen_q, shape.seqlen_k
+        if shape.causal and sq != sk:
+            # SDPA's is_causal is top-left aligned; flash_ext's causal is bottom-right. Same thing when sq == sk.
+            if self.native_lower_right:
+                from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo (~1.5 s)
+
+                kwargs["attn_mask"] = causal_lower_right(sq, sk)
+            else:  # an explicit boolean mask, built here rather than inside the timed call
+                kwargs["attn_mask"] = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
+        else:
+            kwargs["is_causal"] = shape.causal
+        return kwargs
+
+    def call(self, q, k, v, shape, scale, state):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **state)
+
+
+class SDPAFlash(SDPABackend):
+    key = "sdpa_flash"
+    sdp_backend = SDPBackend.FLASH_ATTENTION
+    native_lower_right = True
+
+
+class SDPACudnn(SDPABackend):
+    key = "sdpa_cudnn"
+    sdp_backend = SDPBackend.CUDNN_ATTENTION
+
+
+class SDPAEfficient(SDPABackend):
+    key = "sdpa_efficient"
+    sdp_backend = SDPBackend.EFFICIENT_ATTENTION
+    native_lower_right = True
+
+
+class SDPAMath(SDPABackend):
+    key = "sdpa_math"
+    sdp_backend = SDPBackend.MATH
+
+    def refuse(self, shape, mode):
+        refusal = super().refuse(shape, mode)
+        nbytes = shape.batch * shape.nheads * shape.seqlen_q * shape.seqlen_k * 4
+        if refusal is None and nbytes > self.cfg.math_max_gb * 2**30:
+            refusal = SKIPPED, (
+                f"too large: its b*h*sq*sk fp32 scores need {nbytes / 2**30:.1f} GiB > "
+                f"{self.cfg.math_max_gb:g} GiB (--math-max-gb)"
+            )
+        return refusal
+
+
+@functools.cache
+def _compiled_flex():
+    """torch.compile(flex_attention), made once. It recompiles for every new shape: lift dynamo's limits."""
+    from torch.nn.attention.flex_attention import flex_attention  # imports torch._dynamo (~1.5 s): only with --flex
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+class FlexBackend(Backend):
+    key = "flex"
+    bhsd = True
+
+    def refuse(self, shape, mode):
+        if self.cfg.dtype == "fp8":
+            return SKIPPED, "FlexAttention has no fp8 path"
+        return None
+
+    def prepare(self, shape, scale, device):
+        if not shape.causal:
+            return None
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        offset = shape.seqlen_k - shape.seqlen_q  # bottom-right: query i sees keys j <= i + offset
+
+        def causal_bottom_right(b, h, q_idx, kv_idx):
+            return q_idx + offset >= kv_idx
+
+        return create_block_mask(causal_bottom_right, None, None, shape.seqlen_q, shape.seqlen_k, device=device)
+
+    def call(self, q, k, v, shape, scale, state):
+        return _compiled_flex()(q, k, v, block_mask=state, scale=scale, enable_gqa=shape.nheads != shape.nheads_kv)
+
+
+BACKENDS = {
+    b.key: b for b in (FlashExtBackend, FA3Backend, SDPACudnn, SDPAFlash, SDPAEfficient, SDPAMath, FlexBackend)
+}
+
+
+def make_backends(keys, cfg):
+    return [BACKENDS[k](cfg) for k in keys]

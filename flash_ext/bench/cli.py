@@ -1,0 +1,278 @@
+"""The command line of `python -m flash_ext.benchmark`: options, the grid of shapes, and main."""
+import argparse
+import datetime
+import os
+import sys
+import time
+
+import torch
+
+from .backends import BACKENDS, fa3_importable, flash_ext_has_backward, make_backends
+from .check import REF_HEADS, REF_MAX_ELEMS
+from .env import collect_env, nvidia_smi
+from .jsonfile import write_json
+from .plot import write_plot
+from .progress import Progress
+from .records import backend_name, order_backends
+from .report import MODE_TITLES, format_metric_table, format_table, modes_in
+from .runner import DTYPES, RunConfig, run_benchmark
+from .shapes import Shape, attention_flops
+from .timing import cpu_timer, cuda_peak_mib, make_do_bench_timer
+
+DEFAULT_HEADDIMS = (64, 128, 256)
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_HEADDIMS = (128,)
+QUICK_SEQLENS = (1024, 8192)
+DEFAULT_TOKENS = 16384  # batch * seqlen
+DEFAULT_HIDDEN = 2048  # nheads * headdim
+DEFAULT_BACKENDS = tuple(k for k in BACKENDS if k != "flex")  # flex compiles once per shape: opt-in
+
+
+def parse_int_list(text):
+    """'512,1k,8192' -> [512, 1024, 8192]; a 'k' suffix means x1024."""
+    out = []
+    for item in str(text).split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        try:
+            n = int(item[:-1]) * 1024 if item.endswith("k") else int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not an integer (a 'k' suffix means x1024)") from None
+        if n <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r} must be positive")
+        out.append(n)
+    if not out:
+        raise argparse.ArgumentTypeError(f"empty list {text!r}")
+    return out
+
+
+def _positive_int(text):
+    (n,) = parse_int_list(text)
+    return n
+
+
+def _backend_list(text):
+    names = [t.strip() for t in str(text).split(",") if t.strip()]
+    bad = [n for n in names if n not in BACKENDS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {bad}; known: {','.join(BACKENDS)}")
+    return names
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m flash_ext.benchmark",
+        description="Time flash_ext against SDPA (flash, cuDNN, memory-efficient, math), FlexAttention and "
+        "FlashAttention-3 on one grid of shapes; print a table, write JSON and a PNG plot.",
+    )
+    g = p.add_argument_group("what to run")
+    g.add_argument("--mode", choices=("fwd", "bwd", "both", "auto"), default="auto",
+                   help="forward, backward or both; auto (default) = both when flash_ext's build has a backward, "
+                   "else fwd")
+    g.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="input dtype (default bf16)")
+    g.add_argument("--quick", action="store_true", help="small grid: d128 x {1k, 8k} x both masks (< 1 minute)")
+    g.add_argument("--backends", type=_backend_list, default=None,
+                   help=f"comma list from {','.join(BACKENDS)} (default: all but flex; fa3 only when importable)")
+    g.add_argument("--flex", action="store_true", help="add FlexAttention (torch.compile; compiles once per shape)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="flash_ext's backward in its deterministic mode (no effect on other backends or the forward)")
+    s = p.add_argument_group("shapes (default grid: d {64,128,256} x s {512..16k} x both masks, b*s = 16k, h*d = 2048)")
+    s.add_argument("--headdims", type=parse_int_list, default=None, help="comma list of head dims, e.g. 64,128")
+    s.add_argument("--seqlens", type=parse_int_list, default=None, help="comma list of seqlens, e.g. 512,8k")
+    s.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="masks to run (default both)")
+    s.add_argument("--batch", type=_positive_int, default=None, help="batch (default: --tokens // seqlen_q)")
+    s.add_argument("--seqlen-q", type=_positive_int, default=None, help="one query length (overrides --seqlens)")
+    s.add_argument("--seqlen-k", type=_positive_int, default=None, help="key length (default: = seqlen_q)")
+    s.add_argument("--nheads", type=_positive_int, default=None, help="query heads (default: --hidden // headdim)")
+    kv = s.add_mutually_exclusive_group()
+    kv.add_argument("--nheads-kv", type=_positive_int, default=None, help="key/value heads, GQA/MQA (default: nheads)")
+    kv.add_argument("--gqa", type=_positive_int, default=None,
+                    help="query heads per key/value head (nheads_kv = nheads // GQA, for every head dim)")
+    s.add_argument("--headdim", type=_positive_int, default=None, help="one head dim (overrides --headdims)")
+    s.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS, help="batch * seqlen (default 16384)")
+    s.add_argument("--hidden", type=_positive_int, default=DEFAULT_HIDDEN, help="nheads * headdim (default 2048)")
+    t = p.add_argument_group("timing and checks")
+    t.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up time in ms (default 25)")
+    t.add_argument("--repeat-ms", type=float, default=100.0, help="do_bench measuring time in ms (default 100)")
+    t.add_argument("--math-max-gb", type=float, default=2.0,
+                   help="skip SDPA math when its b*h*sq*sk*4-byte score matrix exceeds this many GiB (default 2)")
+    t.add_argument("--input-scale", type=float, default=1.0, help="inputs are randn * this (default 1.0)")
+    t.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default="bench_out", help="output folder (default ./bench_out)")
+    o.add_argument("--name", default="bench", help="file stem: NAME.json, NAME.txt, NAME_fwd.png (default bench)")
+    o.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument("--dry-run", action="store_true", help="print the grid and backends, then exit (no GPU needed)")
+    o.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a smoke test of the harness itself (CPU wall-clock timings, meaningless as numbers)")
+    return p
+
+
+def build_grid(args):
+    """The list of Shapes to run, in table order (head dim, then mask, then seqlen). Raises ValueError."""
+    headdims = [args.headdim] if args.headdim else (args.headdims or (QUICK_HEADDIMS if args.quick else DEFAULT_HEADDIMS))
+    seqlens = [args.seqlen_q] if args.seqlen_q else (args.seqlens or (QUICK_SEQLENS if args.quick else DEFAULT_SEQLENS))
+    causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    shapes = []
+    for d in dict.fromkeys(headdims):
+        nheads = args.nheads or max(1, args.hidden // d)
+        if args.gqa and nheads % args.gqa != 0:
+            raise ValueError(f"--gqa {args.gqa} does not divide nheads ({nheads}) (head dim {d})")
+        nheads_kv = nheads // args.gqa if args.gqa else args.nheads_kv or nheads
+        if nheads % nheads_kv != 0:
+            raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv}) (head dim {d})")
+        for causal in causals:
+            for sq in dict.fromkeys(seqlens):
+                batch = args.batch or max(1, args.tokens // sq)
+                shapes.append(Shape(batch, sq, args.seqlen_k or sq, nheads, nheads_kv, d, causal))
+    return shapes
+
+
+def resolve_modes(mode):
+    if mode == "auto":
+        mode = "both" if flash_ext_has_backward() else "fwd"
+    return {"fwd": ["fwd"], "bwd": ["bwd"], "both": ["fwd", "bwd"]}[mode]
+
+
+def select_backends(args):
+    """Backend keys to run, in table order. FA3 joins the default set only when it is importable."""
+    keys = list(args.backends or (k for k in DEFAULT_BACKENDS if k != "fa3" or fa3_importable()))
+    if args.flex:
+        keys.append("flex")
+    return order_backends(keys)
+
+
+def config_dict(args, shapes, modes, backend_keys):
+    return {
+        **vars(args),
+        "modes": list(modes),
+        "backends": list(backend_keys),
+        "num_shapes": len(shapes),
+        "shapes": [s.to_dict() for s in shapes],
+        "timer": "triton.testing.do_bench(return_mode='median')",
+        "reference_slice": f"batch 0, first {REF_HEADS} query heads, all rows up to {REF_MAX_ELEMS} score "
+        "elements (else the last rows)",
+    }
+
+
+def _deterministic_note(args, modes):
+    return ", flash_ext deterministic" if args.deterministic and "bwd" in modes else ""
+
+
+def format_dry_run(shapes, modes, backend_keys, args):
+    lines = [
+        f"flash_ext benchmark (dry run): modes {'+'.join(modes)}, "
+        f"dtype {args.dtype}{_deterministic_note(args, modes)}, {len(shapes)} shape(s), "
+        f"backends {', '.join(backend_name(k) for k in backend_keys)}",
+        f"timing: do_bench warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms, median; output folder {args.out}",
+        f"{'#':>3}  {'shape':<24} {'batch':>5} {'seqlen_q':>8} {'seqlen_k':>8} {'nheads':>6} {'nheads_kv':>9} "
+        f"{'headdim':>7} {'causal':>6} " + " ".join(f"{'GFLOP ' + m:>11}" for m in modes),
+    ]
+    for i, s in enumerate(shapes, 1):
+        fl = " ".join(f"{attention_flops(s, m) / 1e9:>11.1f}" for m in modes)
+        lines.append(
+            f"{i:>3}  {s.label():<24} {s.batch:>5} {s.seqlen_q:>8} {s.seqlen_k:>8} {s.nheads:>6} {s.nheads_kv:>9} "
+            f"{s.headdim:>7} {str(s.causal):>6} {fl}"
+        )
+    return "\n".join(lines)
+
+
+def table_title(mode, env, args):
+    gpu = env.get("gpu_name") or "unknown GPU"
+    clock = ""
+    if env.get("sm_clock_after_run_mhz"):
+        clock = f", SM clock {env['sm_clock_after_run_mhz']} MHz at the end (max {env.get('sm_clock_max_mhz')})"
+    elif env.get("sm_clock_mhz"):
+        clock = f", SM clock {env['sm_clock_mhz']} MHz at the start"
+    return (
+        f"== {MODE_TITLES[mode]} | {args.dtype}{_deterministic_note(args, [mode])} | {gpu}{clock} | TFLOP/s, median of "
+        f"do_bench (warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms) =="
+    )
+
+
+def write_outputs(out_dir, name, env, config, records, args, backend_keys, command):
+    """Tables (returned and written to NAME.txt), NAME.json and NAME_<mode>.png; returns (text, paths)."""
+    os.makedirs(out_dir, exist_ok=True)
+    parts = []
+    for mode in modes_in(records):
+        parts.append(format_table(records, mode, backend_keys, title=table_title(mode, env, args)))
+        parts.append(format_metric_table(records, mode, "peak_mib", backend_keys,
+                                         title=f"-- {mode} peak memory above inputs, MiB --"))
+    text = "\n\n".join(parts)
+    txt_path = os.path.join(out_dir, f"{name}.txt")
+    with open(txt_path, "w") as f:
+        f.write(text + "\n")
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    paths = [txt_path, write_json(os.path.join(out_dir, f"{name}.json"), env, config, records, created=created,
+                                  command=command)]
+    if not args.no_plot:
+        for mode in modes_in(records):
+            path = write_plot(os.path.join(out_dir, f"{name}_{mode}.png"), records, mode, gpu_name=env.get("gpu_name"),
+                              dtype=args.dtype, backends=backend_keys)
+            if path:
+                paths.append(path)
+    return text, paths
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        shapes = build_grid(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.warmup_ms <= 0 or args.repeat_ms <= 0:
+        parser.error("--warmup-ms and --repeat-ms must be positive")
+    modes = resolve_modes(args.mode)
+    backend_keys = select_backends(args)
+    if args.dry_run:
+        print(format_dry_run(shapes, modes, backend_keys, args))
+        return 0
+    if args.device == "cpu":
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("error: no CUDA GPU visible; the benchmark needs one (use --dry-run to see the grid)", file=sys.stderr)
+        return 2
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cfg = RunConfig(dtype=args.dtype, input_scale=args.input_scale, seed=args.seed, math_max_gb=args.math_max_gb,
+                    deterministic=args.deterministic)
+    backends = make_backends(backend_keys, cfg)
+    env = collect_env(device)
+    command = [sys.executable, "-m", "flash_ext.benchmark"] + list(sys.argv[1:] if argv is None else argv)
+    config = config_dict(args, shapes, modes, backend_keys)
+    print(
+        f"flash_ext benchmark: {len(shapes)} shape(s) x {'+'.join(modes)} x {len(backends)} backend(s) "
+        f"[{', '.join(backend_name(k) for k in backend_keys)}] on {env['gpu_name']}, {args.dtype}",
+        file=sys.stderr,
+    )
+    for be in backends:
+        if be.unavailable:
+            print(f"  {backend_name(be.key)}: skipped everywhere: {be.unavailable}", file=sys.stderr)
+    if device.type == "cuda":
+        timer = make_do_bench_timer(args.warmup_ms, args.repeat_ms)
+        peak_fn = lambda fn: cuda_peak_mib(fn, device)  # noqa: E731
+    else:
+        timer, peak_fn = cpu_timer, None
+    progress = Progress(len(shapes) * len(modes) * len(backends), len(shapes), enabled=not args.no_progress)
+    t0 = time.monotonic()
+    records, fatal = [], None
+    try:
+        _, fatal = run_benchmark(shapes, modes, backends, cfg, device, timer, peak_fn=peak_fn, progress=progress,
+                                 records=records)
+    except KeyboardInterrupt:  # keep and write what was measured
+        progress.close()
+        fatal = "interrupted"
+    config["elapsed_s"] = round(time.monotonic() - t0, 1)
+    config["stopped_early"] = fatal
+    if device.type == "cuda":  # the clock under load (the one read at the start is usually the idle clock)
+        env["sm_clock_after_run_mhz"] = nvidia_smi(device.index).get("sm_clock_mhz")
+    text, paths = write_outputs(args.out, args.name, env, config, records, args, backend_keys, command)
+    print(text)
+    print(f"\nwrote {', '.join(paths)} in {config['elapsed_s']:.0f} s", file=sys.stderr)
+    if fatal:
+        print(f"error: stopped early: {fatal}", file=sys.stderr)
+        return 1
+    return 0

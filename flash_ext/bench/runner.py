@@ -1,0 +1,230 @@
+"""Running the benchmark: inputs per shape, then for each mode and backend: run once, check against the
+reference (a WRONG result is not timed), measure peak memory, time. Device-agnostic: the CPU tests drive
+it with a CPU timer."""
+import dataclasses
+import gc
+import math
+import warnings
+
+import torch
+
+from .check import build_reference, check_result, max_abs_err, verdict
+from .progress import Progress
+from .records import ERROR, OK, OOM, SKIPPED, WRONG, Record
+from .shapes import attention_flops, tflops
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+
+@dataclasses.dataclass
+class RunConfig:
+    dtype: str = "bf16"
+    input_scale: float = 1.0
+    seed: int = 0
+    math_max_gb: float = 2.0
+    deterministic: bool = False  # flash_ext's backward only
+
+
+class FatalDeviceError(RuntimeError):
+    """A sticky CUDA error: the context is unusable, so the run stops (the records so far are kept)."""
+
+    def __init__(self, reason, records=()):
+        super().__init__(reason)
+        self.records = list(records)
+
+
+_FATAL_MARKERS = (
+    "illegal memory access",
+    "unspecified launch failure",
+    "device-side assert",
+    "misaligned address",
+    "illegal instruction",
+    "an illegal",
+    "CUDA error: unknown error",
+)
+_NOISE_WARNINGS = (
+    "not used because",  # SDPA's header line; the specific reasons follow it
+    "flex_attention called without",
+    "Lower right causal bias will produce NaNs",  # raised by CausalBias itself, not a refusal reason
+)
+
+
+def is_fatal(exc):
+    return any(m in str(exc) for m in _FATAL_MARKERS)
+
+
+def describe(exc, caught=()):
+    """A one-line reason from an exception and the warnings SDPA emitted while refusing."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    msgs = []
+    for w in caught:
+        m = " ".join(str(w.message).split())
+        if m and m not in msgs and not any(s in m for s in _NOISE_WARNINGS):
+            msgs.append(m)
+    if msgs and ("No available kernel" in text or "No viable backend" in text):
+        return "refused: " + "; ".join(msgs[:3])
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
+
+
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # after a sticky CUDA error this raises again; the run is stopping anyway
+            pass
+
+
+def make_inputs(shape, dtype, device, scale, seed, need_dout):
+    """q, k, v (and dout) in (b, s, h, d): randn * scale (never zeros), identical for every backend."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    work = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype  # randn has no fp8
+
+    def rnd(*size):
+        return torch.randn(*size, generator=gen, device=device, dtype=work).mul_(scale).to(dtype)
+
+    b, sq, sk, h, hkv, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.headdim
+    q, k, v = rnd(b, sq, h, d), rnd(b, sk, hkv, d), rnd(b, sk, hkv, d)
+    dout = rnd(b, sq, h, d).to(work) if need_dout else None  # gradients arrive in 16 bits even for fp8
+    return q, k, v, dout
+
+
+def _measure(backend, rec, q, k, v, dout, scale, ref, device, timer, peak_fn, ext):
+    """Build fn, run it once, check it, then measure its peak memory and time; fills rec."""
+    shape, mode = rec.shape, rec.mode
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if mode == "fwd":
+                fn, post = backend.make_fwd(q, k, v, shape, scale)
+            else:
+                fn, post = backend.make_bwd(q, k, v, dout, shape, scale)
+            res = fn()  # the first call compiles / autotunes where the backend does; not timed
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            # Refused at call time (SDPA raises and gives its reasons as warnings): skipped, not an error.
+            rec.status, rec.reason = SKIPPED, describe(e, caught)
+            return
+    outs = post(res)
+    del res
+    if ref is not None:
+        err, tol, detail, got = check_result(mode, outs, ref)
+        rec.max_err, rec.tol, rec.err_detail, rec.checked = err, tol, detail, True
+        if backend.key == "flash_ext":  # it runs first: the others report their difference from it
+            ext["slice"] = got
+        elif "slice" in ext:
+            rec.diff_vs_flash_ext = max_abs_err(got, ext["slice"])
+        ok, why = verdict(err, tol)
+        if not ok:
+            rec.status, rec.reason = WRONG, why
+            return
+        rec.note = ref.note
+    del outs
+    rec.peak_mib = peak_fn(fn) if peak_fn else None
+    rec.ms = timer(fn)
+    rec.tflops = tflops(rec.flops, rec.ms)
+
+
+def run_backend(backend, mode, q, k, v, dout, shape, scale, ref, device, timer, peak_fn, ext):
+    """One backend, one mode, one shape -> Record. Raises only FatalDeviceError.
+
+    ext: a dict shared by the backends of one shape and mode (flash_ext's checked slice)."""
+    rec = Record(shape=shape, mode=mode, backend=backend.key, flops=attention_flops(shape, mode))
+    if backend.unavailable:
+        rec.status, rec.reason = SKIPPED, backend.unavailable
+        return rec
+    refusal = backend.refuse(shape, mode)
+    if refusal:
+        rec.status, rec.reason = refusal
+        return rec
+    oom = False
+    try:
+        with backend.context():
+            _measure(backend, rec, q, k, v, dout, scale, ref, device, timer, peak_fn, ext)
+    except torch.OutOfMemoryError as e:
+        rec.status, rec.reason = OOM, describe(e)
+        oom = True
+    except Exception as e:
+        if is_fatal(e):
+            raise FatalDeviceError(describe(e)) from e
+        rec.status, rec.reason = ERROR, describe(e)
+    if oom:  # freed here, once the exception (whose frames hold the tensors) is gone
+        free(device)
+    return rec
+
+
+def _reference(q, k, v, dout, shape, scale, cfg, need_bwd):
+    """(reference or None, note): when the reference fails (OOM...), the backends are timed unchecked."""
+    try:
+        return build_reference(q, k, v, dout, shape, scale, cfg.dtype, need_bwd), ""
+    except Exception as e:
+        if is_fatal(e):
+            raise FatalDeviceError(describe(e)) from e
+        return None, f"unchecked: the reference failed ({describe(e)})"
+
+
+def run_shape(shape, shape_idx, modes, backends, cfg, device, timer, peak_fn, progress):
+    """All modes and backends on one shape -> records. Raises FatalDeviceError holding the records so far."""
+    records = []
+    scale = 1.0 / math.sqrt(shape.headdim)
+    need_bwd = "bwd" in modes
+    try:
+        q, k, v, dout = make_inputs(shape, DTYPES[cfg.dtype], device, cfg.input_scale, cfg.seed + shape_idx, need_bwd)
+    except torch.OutOfMemoryError as e:
+        for mode in modes:
+            for be in backends:
+                records.append(Record(shape, mode, be.key, status=OOM, reason=f"inputs do not fit: {describe(e)}",
+                                      flops=attention_flops(shape, mode)))
+                progress.step()
+        return records
+    ref, ref_note = _reference(q, k, v, dout, shape, scale, cfg, need_bwd)
+    if ref is None:
+        free(device)
+    for mode in modes:
+        mode_recs = []
+        ext = {}
+        for be in backends:
+            progress.show(shape_idx, shape, mode, be.key)
+            try:
+                rec = run_backend(be, mode, q, k, v, dout, shape, scale, ref, device, timer, peak_fn, ext)
+            except FatalDeviceError as e:
+                rec = Record(shape, mode, be.key, status=ERROR, reason=str(e), flops=attention_flops(shape, mode))
+                raise FatalDeviceError(str(e), records + mode_recs + [rec]) from e
+            if ref_note and rec.status == OK:
+                rec.note = ref_note
+            mode_recs.append(rec)
+            progress.step()
+        progress.shape_done(shape_idx, shape, mode, mode_recs)
+        records.extend(mode_recs)
+    return records
+
+
+def run_benchmark(shapes, modes, backends, cfg, device, timer, peak_fn=None, progress=None, records=None):
+    """Every shape; returns (records, fatal reason or None). Stops early only on a sticky device error.
+
+    Records are appended to `records` (when given) as each shape finishes, so that a caller that is
+    interrupted still holds the shapes done so far."""
+    if progress is None:
+        progress = Progress(len(shapes) * len(modes) * len(backends), len(shapes), enabled=False)
+    if records is None:
+        records = []
+    fatal = None
+    for i, shape in enumerate(shapes, 1):
+        try:
+            records.extend(run_shape(shape, i, modes, backends, cfg, device, timer, peak_fn, progress))
+        except FatalDeviceError as e:
+            records.extend(e.records)
+            fatal = str(e)
+            break
+        finally:
+            free(device)  # the shape's inputs and reference are gone by now
+    progress.close()
+    return records, fatal
