@@ -5,6 +5,7 @@ Build switches (environment variables), so a developer can rebuild one kernel in
   FLASH_EXT_HEADDIMS   comma list of kernel head dims to compile, from 64,96,128,192,256 (default: all)
   FLASH_EXT_DTYPES     comma list from fp16,bf16 (default: both)
   FLASH_EXT_CAUSAL     comma list from 0,1: non-causal and/or causal kernels (default: both)
+  FLASH_EXT_BACKWARD   1/0: compile the backward kernels (default 1)
   FLASH_EXT_PTXAS_V    1: print ptxas resource usage (registers, spills, smem) for every kernel
   MAX_JOBS             parallel compile jobs (honoured by torch's ninja build)
   CUDA_HOME            CUDA toolkit (default: /usr/local/cuda, else the directory above `nvcc`)
@@ -80,12 +81,13 @@ def _selected_kernels():
     hdims = [int(h) for h in _parse_list("FLASH_EXT_HEADDIMS", table.KERNEL_HEADDIMS, table.KERNEL_HEADDIMS)]
     dtypes = _parse_list("FLASH_EXT_DTYPES", tuple(table.DTYPES), tuple(table.DTYPES))
     causal = [c == "1" for c in _parse_list("FLASH_EXT_CAUSAL", ("0", "1"), ("0", "1"))]
+    directions = ["fwd"] + (["bwd"] if _parse_list("FLASH_EXT_BACKWARD", ("0", "1"), ("1",)) == ["1"] else [])
     sources = []
     for entry in table.all_kernels():
         path = ROOT / "hopper" / "instantiations" / entry.file_name
         if not path.exists():
             raise RuntimeError(f"{path} is missing; run python hopper/generate_kernels.py")
-        if entry.headdim in hdims and entry.dtype in dtypes and entry.causal in causal:
+        if entry.direction in directions and entry.headdim in hdims and entry.dtype in dtypes and entry.causal in causal:
             sources.append(str(path.relative_to(ROOT)))
     defines = ["-DFLASH_EXT_KERNEL_HEADDIMS=" + ",".join(str(d) for d in table.KERNEL_HEADDIMS)]
     return sources, defines

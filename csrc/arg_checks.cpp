@@ -128,14 +128,36 @@ AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor co
   check_layout(q, "q");
   check_layout(k, "k");
   check_layout(v, "v");
-  // Device checks last, so that shape and dtype errors are reported for CPU tensors too.
-  for (auto const& [t, name] : {std::pair<at::Tensor const&, char const*>{q, "q"}, {k, "k"}, {v, "v"}}) {
-    TORCH_CHECK_VALUE(t.is_cuda(), name, " is on ", t.device().str(), "; ", op, " needs CUDA tensors on an sm_90 GPU");
-  }
-  TORCH_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(), "q, k, v must be on one device, got ",
-                    q.device().str(), ", ", k.device().str(), ", ", v.device().str());
-  check_sm90(q.device());
   return s;
+}
+
+void check_on_gpu(std::initializer_list<std::pair<at::Tensor const*, char const*>> tensors, char const* op) {
+  at::Tensor const& first = *tensors.begin()->first;
+  for (auto const& [t, name] : tensors) {
+    TORCH_CHECK_VALUE(t->is_cuda(), name, " is on ", t->device().str(), "; ", op, " needs CUDA tensors on an sm_90 GPU");
+  }
+  for (auto const& [t, name] : tensors) {
+    TORCH_CHECK_VALUE(t->device() == first.device(), "all tensors must be on one device: ", tensors.begin()->second,
+                      " is on ", first.device().str(), ", ", name, " on ", t->device().str());
+  }
+  check_sm90(first.device());
+}
+
+void check_tensor_like(at::Tensor const& t, char const* name, at::IntArrayRef sizes, at::ScalarType dtype,
+                       char const* like) {
+  TORCH_CHECK_VALUE(t.sizes() == sizes, name, " must have the shape of ", like, " ", tuple_str(sizes), ", got ",
+                    tuple_str(t.sizes()));
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have the dtype of ", like, " (", torch_name(dtype), "), got ",
+                   torch_name(t.scalar_type()));
+  check_layout(t, name);
+}
+
+void check_lse(at::Tensor const& t, char const* name, AttentionShape const& s) {
+  std::vector<int64_t> const sizes{s.batch, s.nheads, s.seqlen_q};
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(sizes), name, " must have shape (batch, nheads, seqlen_q) = ",
+                    tuple_str(sizes), " (the forward's lse for these q, k, v), got ", tuple_str(t.sizes()));
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be torch.float32 (as the forward returns it), got ",
+                   torch_name(t.scalar_type()));
 }
 
 }  // namespace flash_api

@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 
 namespace flash_api {
 
@@ -19,9 +21,22 @@ struct AttentionShape {
   int64_t batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim;
 };
 
-// q, k, v as the kernels need them; `op` names the public function in messages (e.g. "flash_ext.forward").
+// q, k, v as the kernels need them (all but their device: check_on_gpu); `op` names the public function in
+// messages (e.g. "flash_ext.forward").
 AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale,
                          char const* op);
+
+// A tensor the op reads or writes beside q, k, v: `name` must have exactly `sizes` and `dtype` and (for TMA)
+// the strided layout rules of q, k, v; `like` names what it must match in messages.
+void check_tensor_like(at::Tensor const& t, char const* name, at::IntArrayRef sizes, at::ScalarType dtype,
+                       char const* like);
+
+// lse (or its gradient dlse) of a forward call: float32 (batch, nheads, seqlen_q).
+void check_lse(at::Tensor const& t, char const* name, AttentionShape const& s);
+
+// Last, so that shape and dtype errors are reported for CPU tensors too: every tensor on one CUDA
+// device, an sm_90 one.
+void check_on_gpu(std::initializer_list<std::pair<at::Tensor const*, char const*>> tensors, char const* op);
 
 // The stride the TMA descriptor gets for a dim: a dim of size 1 is never stepped, so any stride will do.
 int64_t tma_stride(at::Tensor const& t, int dim);

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <optional>
 #include <tuple>
 
 #include "arg_checks.h"
@@ -22,6 +23,22 @@
 namespace {
 
 using flash_api::tma_stride;
+
+flash::StridedTensor strided(at::Tensor const& t) {
+  return {t.data_ptr(), tma_stride(t, 0), tma_stride(t, 1), tma_stride(t, 2)};
+}
+
+// The problem sizes both directions' parameters carry.
+template <class Params>
+void set_sizes(Params& params, flash_api::AttentionShape const& s, double softmax_scale) {
+  params.batch = int(s.batch);
+  params.seqlen_q = int(s.seqlen_q);
+  params.seqlen_k = int(s.seqlen_k);
+  params.nheads = int(s.nheads);
+  params.nheads_kv = int(s.nheads_kv);
+  params.headdim = int(s.headdim);
+  params.softmax_scale = float(softmax_scale);
+}
 
 // Developer knobs for A/B measurements: FLASH_EXT_PINGPONG=0/1 forces the consumer warpgroup ping-pong,
 // FLASH_EXT_PERSISTENT=0/1 the persistent launch, off/on; unset keeps each kernel's choice.
@@ -34,46 +51,95 @@ int env_override(char const* name) {
 char const* dtype_name(at::ScalarType dtype) { return dtype == at::kBFloat16 ? "bf16" : "fp16"; }
 
 template <class Params>
-typename flash::KernelRegistry<Params>::Launcher find_kernel(char const* direction, int kernel_hdim, at::ScalarType dtype,
-                                                              bool causal) {
-  auto launch = flash::KernelRegistry<Params>::find(kernel_hdim, dtype_name(dtype), causal);
-  TORCH_CHECK(launch != nullptr, "flash_ext was built without the ", dtype_name(dtype), " head dim ", kernel_hdim, " ",
+typename flash::KernelRegistry<Params>::Entry const& find_kernel(char const* direction, int kernel_hdim,
+                                                                 at::ScalarType dtype, bool causal) {
+  auto const* entry = flash::KernelRegistry<Params>::find(kernel_hdim, dtype_name(dtype), causal);
+  TORCH_CHECK(entry != nullptr, "flash_ext was built without the ", dtype_name(dtype), " head dim ", kernel_hdim, " ",
               causal ? "causal" : "non-causal", " ", direction,
-              " kernel (build switches FLASH_EXT_HEADDIMS / FLASH_EXT_DTYPES / FLASH_EXT_CAUSAL); rebuild to use it");
-  return launch;
+              " kernel (build switches FLASH_EXT_HEADDIMS / FLASH_EXT_DTYPES / FLASH_EXT_CAUSAL / FLASH_EXT_BACKWARD, "
+              "or no such kernel yet: flash_ext/kernel_table.py); rebuild to use it");
+  return *entry;
 }
 
 std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                            double softmax_scale, bool causal) {
   auto const s = flash_api::check_qkv(q, k, v, softmax_scale, "flash_ext.forward");
-  auto launch = find_kernel<flash::FwdParams>("forward", flash_api::kernel_headdim(s.headdim), q.scalar_type(), causal);
+  flash_api::check_on_gpu({{&q, "q"}, {&k, "k"}, {&v, "v"}}, "flash_ext.forward");
+  auto const& kernel = find_kernel<flash::FwdParams>("forward", flash_api::kernel_headdim(s.headdim), q.scalar_type(), causal);
 
   c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor out = at::empty({s.batch, s.seqlen_q, s.nheads, s.headdim}, q.options());
   at::Tensor lse = at::empty({s.batch, s.nheads, s.seqlen_q}, q.options().dtype(at::kFloat));
 
   flash::FwdParams params{};
-  params.q_ptr = q.data_ptr();
-  params.k_ptr = k.data_ptr();
-  params.v_ptr = v.data_ptr();
-  params.o_ptr = out.data_ptr();
-  params.lse_ptr = lse.data_ptr<float>();
-  params.q_batch_stride = tma_stride(q, 0), params.q_row_stride = tma_stride(q, 1), params.q_head_stride = tma_stride(q, 2);
-  params.k_batch_stride = tma_stride(k, 0), params.k_row_stride = tma_stride(k, 1), params.k_head_stride = tma_stride(k, 2);
-  params.v_batch_stride = tma_stride(v, 0), params.v_row_stride = tma_stride(v, 1), params.v_head_stride = tma_stride(v, 2);
-  params.o_batch_stride = tma_stride(out, 0), params.o_row_stride = tma_stride(out, 1), params.o_head_stride = tma_stride(out, 2);
-  params.batch = int(s.batch);
-  params.seqlen_q = int(s.seqlen_q);
-  params.seqlen_k = int(s.seqlen_k);
-  params.nheads = int(s.nheads);
-  params.nheads_kv = int(s.nheads_kv);
-  params.headdim = int(s.headdim);
-  params.softmax_scale = float(softmax_scale);
+  params.q = strided(q);
+  params.k = strided(k);
+  params.v = strided(v);
+  params.o = strided(out);
+  params.lse = lse.data_ptr<float>();
+  set_sizes(params, s, softmax_scale);
   params.pingpong = env_override("FLASH_EXT_PINGPONG");
   params.persistent = env_override("FLASH_EXT_PERSISTENT");
 
-  launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  kernel.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {out, lse};
+}
+
+// The backward into given dq, dk, dv (checked here), any strides the layout rules allow.
+void mha_bwd_out(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                 at::Tensor const& out, at::Tensor const& lse, std::optional<at::Tensor> const& dlse, double softmax_scale,
+                 bool causal, bool deterministic, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  char const* op = "flash_ext.backward";
+  auto const s = flash_api::check_qkv(q, k, v, softmax_scale, op);
+  flash_api::check_tensor_like(dout, "dout", q.sizes(), q.scalar_type(), "q");
+  flash_api::check_tensor_like(out, "out", q.sizes(), q.scalar_type(), "q");
+  flash_api::check_lse(lse, "lse", s);
+  if (dlse.has_value()) { flash_api::check_lse(*dlse, "dlse", s); }
+  flash_api::check_tensor_like(dq, "dq", q.sizes(), q.scalar_type(), "q");
+  flash_api::check_tensor_like(dk, "dk", k.sizes(), k.scalar_type(), "k");
+  flash_api::check_tensor_like(dv, "dv", v.sizes(), v.scalar_type(), "v");
+  if (dlse.has_value()) {
+    flash_api::check_on_gpu({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}, {&out, "out"}, {&lse, "lse"}, {&*dlse, "dlse"},
+                             {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}}, op);
+  } else {
+    flash_api::check_on_gpu({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}, {&out, "out"}, {&lse, "lse"}, {&dq, "dq"},
+                             {&dk, "dk"}, {&dv, "dv"}}, op);
+  }
+  at::Device const device = q.device();
+  auto const& kernel = find_kernel<flash::BwdParams>("backward", flash_api::kernel_headdim(s.headdim), q.scalar_type(), causal);
+
+  c10::cuda::CUDAGuard device_guard(device);
+  at::Tensor const lse_c = lse.contiguous();
+  std::optional<at::Tensor> const dlse_c = dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
+
+  flash::BwdParams params{};
+  params.q = strided(q);
+  params.k = strided(k);
+  params.v = strided(v);
+  params.o = strided(out);
+  params.dout = strided(dout);
+  params.lse = lse_c.data_ptr<float>();
+  params.dlse = dlse_c.has_value() ? dlse_c->data_ptr<float>() : nullptr;
+  params.dq = strided(dq);
+  params.dk = strided(dk);
+  params.dv = strided(dv);
+  set_sizes(params, s, softmax_scale);
+  params.deterministic = deterministic;
+  at::Tensor const workspace = at::empty({int64_t(kernel.workspace_bytes(params))}, q.options().dtype(at::kByte));
+  params.workspace = workspace.data_ptr();
+  kernel.launch(params, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
+                                                       at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse,
+                                                       std::optional<at::Tensor> const& dlse, double softmax_scale,
+                                                       bool causal, bool deterministic) {
+  // Allocated like q, k, v when those are valid; mha_bwd_out checks everything before any launch.
+  at::Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
+  at::Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
+  at::Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
+  mha_bwd_out(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, dq, dk, dv);
+  return {dq, dk, dv};
 }
 
 // A JSON object: the registered kernels and the library versions (flash_ext.build_info() parses it).
@@ -91,6 +157,7 @@ std::string build_info() {
   json << "{\"kernels\": [";
   bool first = true;
   append_kernels<flash::FwdParams>(json, "fwd", first);
+  append_kernels<flash::BwdParams>(json, "bwd", first);
   json << "], \"cutlass\": \"" << CUTLASS_MAJOR << "." << CUTLASS_MINOR << "." << CUTLASS_PATCH << "\", \"cuda\": \""
        << CUDART_VERSION / 1000 << "." << (CUDART_VERSION % 1000) / 10 << "\"}";
   return json.str();
@@ -115,12 +182,26 @@ std::string build_info() {
 
 FLASH_EXT_LIBRARY(FLASH_EXT_OPS_NAMESPACE, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale, "
+      "bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "bwd_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale, "
+      "bool causal, bool deterministic, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()");
   m.def("build_info() -> str", &build_info);
 }
 
 // CUDA runs the kernels; CPU tensors get the same argument checks, which end in "needs CUDA tensors".
-FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CUDA, m) { m.impl("fwd", &mha_fwd); }
-FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CPU, m) { m.impl("fwd", &mha_fwd); }
+FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CUDA, m) {
+  m.impl("fwd", &mha_fwd);
+  m.impl("bwd", &mha_bwd);
+  m.impl("bwd_out", &mha_bwd_out);
+}
+FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CPU, m) {
+  m.impl("fwd", &mha_fwd);
+  m.impl("bwd", &mha_bwd);
+  m.impl("bwd_out", &mha_bwd_out);
+}
 
 // `import flash_ext._C` loads this library, whose static initialisers above register the ops. The module
 // itself is empty; it exists so that the stable (abi3) Python API is all this file links against. It is

@@ -1,13 +1,16 @@
 """flash_ext: exact attention for NVIDIA Hopper (sm_90a).
 
     out, lse = flash_ext.forward(q, k, v, softmax_scale=None, causal=False)
+    dq, dk, dv = flash_ext.backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False)
+    out = flash_ext.flash_attn_func(q, k, v, causal=True)   # FlashAttention-3's signature, differentiable
 
 q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), fp16 or bf16 on an
-sm_90 GPU. `flash_ext.reference` holds the float64 reference and the CPU emulation of the kernel's
+sm_90 GPU. `flash_ext.reference` holds the float64 references and the CPU emulation of the kernel's
 online softmax; `flash_ext.kernel_table` the list of kernels a full build compiles.
 """
 from . import kernel_table, reference
-from .interface import build_info, extension_available, forward, has_kernel, kernel_headdim
+from .fa3_compat import flash_attn_func
+from .interface import attention, backward, build_info, extension_available, forward, has_kernel, kernel_headdim
 from .kernel_table import KERNEL_HEADDIMS
 from .reference import attention_ref
 
@@ -15,6 +18,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "forward",
+    "backward",
+    "attention",
+    "flash_attn_func",
     "attention_ref",
     "reference",
     "kernel_table",

@@ -90,23 +90,58 @@ def forward(q, k, v, softmax_scale=None, causal=False):
     Returns:
         (out, lse): out like q (batch, seqlen_q, nheads, headdim) in q's dtype, contiguous;
         lse float32 (batch, nheads, seqlen_q), the natural log of the softmax denominators.
+        Both are differentiable when q, k or v require grad (the backward is flash_ext.backward).
     """
+    return attention(q, k, v, softmax_scale, causal, deterministic=False)
+
+
+def attention(q, k, v, softmax_scale=None, causal=False, deterministic=False):
+    """forward() with the backward's deterministic switch: (out, lse), differentiable."""
     _check_tensors(q=q, k=k, v=v)
     scale = _softmax_scale(softmax_scale, q.shape[-1] if q.dim() > 0 else 1)
     _check_bool("causal", causal)
+    _check_bool("deterministic", deterministic)
     _require_extension()
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return torch.ops.flash_ext.attention(q, k, v, scale, causal, deterministic)
     return torch.ops.flash_ext.fwd(q, k, v, scale, causal)
 
 
-def _register_fake():
-    # Shape inference for torch.compile / meta tensors.
-    if _ext_error is not None:
-        return
+def backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False, dq=None, dk=None, dv=None,
+             dlse=None):
+    """Gradients of exact attention: (dq, dk, dv).
 
-    @torch.library.register_fake("flash_ext::fwd")
-    def _fwd_fake(q, k, v, softmax_scale, causal):
-        b, sq, h, _ = q.shape
-        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
+    Args:
+        dout: the gradient of out, q's shape and dtype.
+        q, k, v, out, lse: the forward's inputs and outputs (same layout rules as forward).
+        softmax_scale, causal: as given to the forward.
+        deterministic: add the contributions to dq in a fixed order, so that gradients are bitwise equal
+            from run to run (a little slower).
+        dq, dk, dv: optional preallocated outputs (shapes and dtypes of q, k, v; any TMA-compatible strides).
+        dlse: optional gradient flowing into lse (float32, lse's shape), for losses that use lse itself
+            (e.g. merging partial attentions by their LSE); None means zero.
+
+    Returns:
+        (dq, dk, dv); with GQA/MQA dk and dv are summed over each group of query heads.
+    """
+    _check_tensors(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv), ("dlse", dlse)):
+        if t is not None:
+            _check_tensors(**{name: t})
+    scale = _softmax_scale(softmax_scale, q.shape[-1] if q.dim() > 0 else 1)
+    _check_bool("causal", causal)
+    _check_bool("deterministic", deterministic)
+    _require_extension()
+    if dq is None and dk is None and dv is None:
+        return torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
+    torch.ops.flash_ext.bwd_out(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv)
+    return dq, dk, dv
 
 
-_register_fake()
+if _ext_error is None:
+    from . import ops
+
+    ops.register()

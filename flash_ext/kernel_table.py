@@ -16,8 +16,9 @@ from dataclasses import dataclass
 KERNEL_HEADDIMS = (64, 96, 128, 192, 256)
 # dtype name -> the CUTLASS element type of the kernels.
 DTYPES = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
-DIRECTIONS = ("fwd",)
 CAUSAL = (False, True)
+# The kernel head dims of each direction.
+HEADDIMS_BY_DIRECTION = {"fwd": KERNEL_HEADDIMS, "bwd": (64, 96, 128)}
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ class KernelEntry:
 def all_kernels():
     return [
         KernelEntry(direction, headdim, dtype, causal)
-        for direction in DIRECTIONS
-        for headdim in KERNEL_HEADDIMS
+        for direction, headdims in HEADDIMS_BY_DIRECTION.items()
+        for headdim in headdims
         for dtype in DTYPES
         for causal in CAUSAL
     ]

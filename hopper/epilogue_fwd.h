@@ -44,8 +44,8 @@ struct FwdEpilogue {
 
   static Params to_params(FwdParams const& p) {
     GmemShape const shape_o = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
-    auto const mO = make_gmem_bshd(static_cast<ElementOut*>(p.o_ptr), shape_o, p.o_row_stride, p.o_head_stride, p.o_batch_stride);
-    return {shape_o, make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, TileShapeMD{}, _1{}), p.lse_ptr, p.seqlen_q, p.nheads};
+    auto const mO = make_gmem_bshd<ElementOut>(p.o, shape_o);
+    return {shape_o, make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, TileShapeMD{}, _1{}), p.lse, p.seqlen_q, p.nheads};
   }
 
   __device__ static void prefetch_descriptors(Params const& params) { prefetch_tma_descriptor(params.tma_o.get_tma_descriptor()); }

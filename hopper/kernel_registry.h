@@ -1,13 +1,14 @@
 // The compiled kernels register themselves here: each generated instantiation file
 // (hopper/instantiations/*.cu, listed in flash_ext/kernel_table.py) holds one static registration, so the
 // set of kernels a build contains is exactly the set of files it compiled. The host dispatch looks
-// launchers up by (head dim, dtype, causal); build_info() lists them.
+// kernels up by (head dim, dtype, causal); build_info() lists them.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cutlass/numeric_types.h>
 
+#include <cstddef>
 #include <cstring>
 #include <vector>
 
@@ -18,15 +19,15 @@ constexpr char const* dtype_name();
 template <> constexpr char const* dtype_name<cutlass::half_t>() { return "fp16"; }
 template <> constexpr char const* dtype_name<cutlass::bfloat16_t>() { return "bf16"; }
 
-// One registry per launcher signature (i.e. per direction: the forward takes FwdParams).
+// One registry per parameter type, i.e. per direction (FwdParams, BwdParams).
 template <class Params>
 struct KernelRegistry {
-  using Launcher = void (*)(Params const&, cudaStream_t);
   struct Entry {
     int headdim;
     char const* dtype;
     bool causal;
-    Launcher launch;
+    void (*launch)(Params const&, cudaStream_t);
+    size_t (*workspace_bytes)(Params const&);  // scratch memory the launch needs; nullptr: none
   };
 
   static std::vector<Entry>& entries() {
@@ -34,20 +35,21 @@ struct KernelRegistry {
     return registered;
   }
 
-  static Launcher find(int headdim, char const* dtype, bool causal) {
+  static Entry const* find(int headdim, char const* dtype, bool causal) {
     for (Entry const& e : entries()) {
-      if (e.headdim == headdim && e.causal == causal && std::strcmp(e.dtype, dtype) == 0) { return e.launch; }
+      if (e.headdim == headdim && e.causal == causal && std::strcmp(e.dtype, dtype) == 0) { return &e; }
     }
     return nullptr;
   }
 };
 
-// `static KernelRegistration<Params> const r{...};` in an instantiation file adds its launcher.
+// `static XxxKernelRegistration<...> const r;` in an instantiation file adds its kernel.
 template <class Params>
 struct KernelRegistration {
-  using Registry = KernelRegistry<Params>;
-  KernelRegistration(int headdim, char const* dtype, bool causal, typename Registry::Launcher launch) {
-    Registry::entries().push_back({headdim, dtype, causal, launch});
+  using Entry = typename KernelRegistry<Params>::Entry;
+  KernelRegistration(int headdim, char const* dtype, bool causal, decltype(Entry::launch) launch,
+                     decltype(Entry::workspace_bytes) workspace_bytes = nullptr) {
+    KernelRegistry<Params>::entries().push_back({headdim, dtype, causal, launch, workspace_bytes});
   }
 };
 

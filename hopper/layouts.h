@@ -54,4 +54,10 @@ CUTE_HOST_DEVICE auto make_gmem_bshd(Element* ptr, GmemShape const& shape, int64
   return make_tensor(make_gmem_ptr(ptr), shape, GmemStride{row_stride, _1{}, head_stride, batch_stride});
 }
 
+// The same from a host-side StridedTensor (flash.h), with the element type the kernel reads or writes.
+template <class Element, class Strided>
+CUTE_HOST_DEVICE auto make_gmem_bshd(Strided const& t, GmemShape const& shape) {
+  return make_gmem_bshd(static_cast<Element*>(t.ptr), shape, t.row_stride, t.head_stride, t.batch_stride);
+}
+
 }  // namespace flash

@@ -100,9 +100,9 @@ struct FwdMainloop {
   static Params to_params(FwdParams const& p) {
     GmemShape const shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
     GmemShape const shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_kv, p.batch);
-    auto const mQ = make_gmem_bshd(static_cast<Element const*>(p.q_ptr), shape_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-    auto const mK = make_gmem_bshd(static_cast<Element const*>(p.k_ptr), shape_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-    auto const mV = make_gmem_bshd(static_cast<Element const*>(p.v_ptr), shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+    auto const mQ = make_gmem_bshd<Element const>(p.q, shape_q);
+    auto const mK = make_gmem_bshd<Element const>(p.k, shape_k);
+    auto const mV = make_gmem_bshd<Element const>(p.v, shape_k);
     return {shape_q,
             shape_k,
             make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{}), _1{}),

@@ -1,4 +1,5 @@
-// The online softmax of the forward mainloop (spec: shared/seed/online_softmax.md).
+// The online softmax of the forward mainloop, after the design of FlashAttention-3's hopper/softmax.h
+// (README: acknowledgements).
 //
 // Per K/V block: max_get_scale (new row max, correction factor for the old state, row sums rescaled),
 // online_softmax (P = exp2(S * scale_log2 - max_scaled): one FFMA + one EX2 per score; row sums stay

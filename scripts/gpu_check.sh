@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU machine checks everything: run from the repository root with the prebuilt
-# flash_ext/_C.abi3.so carried along. Writes logs to $OUT (or ./gpu_check_out).
-#   bash scripts/gpu_check.sh            GPU + CPU tests, then the quick benchmark
-#   BENCH=full bash scripts/gpu_check.sh the default benchmark grid instead
-#   TESTS=0 / BENCH=0                    skip a part
+# flash_ext/_C.abi3.so (and any variant builds) carried along. Writes logs to $OUT (or ./gpu_check_out).
+# Every step runs under a time limit, so a hung kernel costs minutes, not the whole call.
+#   bash scripts/gpu_check.sh                     smoke checks, all tests, the quick benchmark
+#   BENCH=full / BENCH=0                          the default forward grid / no benchmark
+#   BWD_BENCH=1                                   also the backward benchmark (d64/d128 at 8k, both masks)
+#   AB=v0                                         also scripts/ab_fwd.py against variant build(s) v0,...
+#   TESTS=0, PYTEST_ARGS="-k backward"            skip or narrow the tests
+#   SMOKE_S, PYTEST_S, BENCH_S                    time limits in seconds (a device call is at most 600 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu_check_out}
@@ -11,18 +15,36 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 status=0
+step() {  # step NAME LIMIT_S COMMAND...: run, log to $out/NAME.log, note a failure or a time-out
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name" | tee -a "$out/summary.txt"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log"
+  [ $rc = 0 ] || { status=1; echo "!!! $name exited $rc$([ $rc = 124 ] && echo ' (time limit)')" | tee -a "$out/summary.txt"; }
+}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, flash_ext; print('torch', torch.__version__, '| flash_ext build:', flash_ext.build_info())" | tee -a "$out/gpu.txt" || status=1
 
+step smoke_fwd ${SMOKE_S:-90} python3 scripts/smoke_fwd.py
+step smoke_bwd ${SMOKE_S:-90} python3 scripts/smoke_bwd.py
 if [ "${TESTS:-1}" != 0 ]; then
-  python3 -m pytest tests -q -x -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$out/test.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  step pytest ${PYTEST_S:-300} python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-}
+  grep -E "passed|failed" "$out/pytest.log" | tail -n 1 | tee -a "$out/summary.txt"
 fi
-
+if [ -n "${AB:-}" ]; then
+  step ab_fwd ${BENCH_S:-240} python3 scripts/ab_fwd.py --variants "$AB" --toggle none --headdims 64,128,256 \
+    --seqlens 512,1024,2048,4096,8192,16384
+fi
 case "${BENCH:-quick}" in
   0) ;;
-  full) python3 -m flash_ext.benchmark --out "$out" --no-progress 2>&1 | tee "$out/bench.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
-  *) python3 -m flash_ext.benchmark --quick --out "$out" --no-progress 2>&1 | tee "$out/bench.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+  full) step bench ${BENCH_S:-240} python3 -m flash_ext.benchmark --mode fwd --out "$out" --no-progress ;;
+  *) step bench ${BENCH_S:-240} python3 -m flash_ext.benchmark --quick --mode fwd --out "$out" --no-progress ;;
 esac
+if [ "${BWD_BENCH:-0}" != 0 ]; then
+  step bench_bwd ${BENCH_S:-240} python3 -m flash_ext.benchmark --mode bwd --headdims 64,128 --seqlens 8k --causal both \
+    --out "$out" --name bench_bwd --no-progress
+fi
 exit $status

@@ -182,3 +182,80 @@ def test_kernel_headdim_invalid(headdim):
 def test_kernel_headdim_too_large():
     with pytest.raises(ValueError, match=r"head dim 264 is larger than the largest supported \(256\)"):
         flash_ext.kernel_headdim(264)
+
+
+# ------------------------------------------------------------------------------------------------
+# backward's arguments (the same rules as forward's for q, k, v; its own for dout, out, lse, dlse, dq...)
+# ------------------------------------------------------------------------------------------------
+def bwd_args(**kwargs):
+    q, k, v = qkv(**kwargs)
+    b, s, h, _ = q.shape
+    return dict(dout=make(**kwargs), q=q, k=k, v=v, out=make(**kwargs), lse=torch.zeros(b, h, s))
+
+
+@needs_ext
+def test_backward_dout_shape():
+    a = bwd_args()
+    a["dout"] = make(seqlen=7)
+    with pytest.raises(ValueError, match=r"dout must have the shape of q \(1, 8, 2, 64\), got \(1, 7, 2, 64\)"):
+        flash_ext.backward(**a)
+
+
+@needs_ext
+def test_backward_out_dtype():
+    a = bwd_args()
+    a["out"] = a["out"].bfloat16()
+    with pytest.raises(TypeError, match=r"out must have the dtype of q \(torch.float16\), got torch.bfloat16"):
+        flash_ext.backward(**a)
+
+
+@needs_ext
+@pytest.mark.parametrize("lse_shape", [(1, 2, 7), (2, 8), (1, 8, 2)])
+def test_backward_lse_from_another_call(lse_shape):
+    a = bwd_args()
+    a["lse"] = torch.zeros(lse_shape)
+    with pytest.raises(ValueError, match=r"lse must have shape \(batch, nheads, seqlen_q\) = \(1, 2, 8\)"):
+        flash_ext.backward(**a)
+
+
+@needs_ext
+def test_backward_lse_dtype_and_dlse():
+    a = bwd_args()
+    a["lse"] = a["lse"].half()
+    with pytest.raises(TypeError, match=r"lse must be torch.float32"):
+        flash_ext.backward(**a)
+    a = bwd_args()
+    with pytest.raises(ValueError, match=r"dlse must have shape"):
+        flash_ext.backward(**a, dlse=torch.zeros(1, 2, 9))
+
+
+@needs_ext
+def test_backward_preallocated_output_shape():
+    a = bwd_args()
+    with pytest.raises(ValueError, match=r"dv must have the shape of v"):
+        flash_ext.backward(**a, dv=make(headdim=128))
+
+
+@needs_ext
+def test_backward_valid_cpu_tensors_need_cuda():
+    with pytest.raises(ValueError, match=r"q is on cpu; flash_ext.backward needs CUDA tensors"):
+        flash_ext.backward(**bwd_args(), causal=True)
+
+
+@pytest.mark.parametrize("name,value", [("deterministic", 1), ("causal", "yes")])
+def test_backward_python_argument_types(name, value):
+    with pytest.raises(TypeError, match=rf"{name} must be a bool"):
+        flash_ext.backward(**bwd_args(), **{name: value})
+
+
+def test_backward_non_tensor_lse():
+    a = bwd_args()
+    a["lse"] = [0.0]
+    with pytest.raises(TypeError, match=r"lse must be a torch.Tensor, got list"):
+        flash_ext.backward(**a)
+
+
+@pytest.mark.parametrize("name,value", [("window_size", (64, 0)), ("softcap", 50.0), ("num_splits", 2)])
+def test_flash_attn_func_unsupported_arguments(name, value):
+    with pytest.raises(NotImplementedError, match=rf"{name}=.* is not supported by flash_ext yet"):
+        flash_ext.flash_attn_func(*qkv(), **{name: value})

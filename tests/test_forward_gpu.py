@@ -13,6 +13,7 @@ import torch
 
 import flash_ext
 from flash_ext.reference import attention_lowp, attention_ref
+from gpu_helpers import poison_allocator, rounding_noise
 
 pytestmark = pytest.mark.gpu
 
@@ -36,18 +37,6 @@ SEQLENS = [
 HEADS = [(4, 4), (8, 2), (6, 1)]
 
 
-def _poison_allocator(*shapes_dtypes):
-    """Fill blocks of the sizes the outputs will take with NaN and free them, so the caching allocator
-    hands NaN-filled memory to the kernel's outputs: an element the kernel forgets to write stays NaN."""
-    for shape, dtype in shapes_dtypes:
-        torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-
-
-def _rounding_noise(ref, dtype):
-    ref_lowp = ref.to(dtype)
-    return (ref_lowp + 0.3 - 0.3 - ref_lowp).abs().max().item()
-
-
 def _make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtype, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=dtype, generator=gen)
@@ -66,7 +55,7 @@ def _require_kernel(headdim, dtype, causal):
 def _check_against_reference(q, k, v, causal, softmax_scale=None):
     batch, seqlen_q, nheads, headdim = q.shape
     _require_kernel(headdim, q.dtype, causal)
-    _poison_allocator(((batch, seqlen_q, nheads, headdim), q.dtype), ((batch, nheads, seqlen_q), torch.float32))
+    poison_allocator(((batch, seqlen_q, nheads, headdim), q.dtype), ((batch, nheads, seqlen_q), torch.float32))
     out, lse = flash_ext.forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
     torch.cuda.synchronize()
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -78,7 +67,7 @@ def _check_against_reference(q, k, v, causal, softmax_scale=None):
     out_pt = attention_lowp(q, k, v, softmax_scale=softmax_scale, causal=causal)
     err = (out.double() - out_ref).abs().max().item()
     err_pt = (out_pt.double() - out_ref).abs().max().item()
-    noise = _rounding_noise(out_ref, q.dtype)
+    noise = rounding_noise(out_ref, q.dtype)
     assert err <= 2 * err_pt + noise, f"max error {err:.3e} > 2 * {err_pt:.3e} (PyTorch {q.dtype}) + {noise:.1e}"
 
     finite = torch.isfinite(lse_ref)
@@ -176,7 +165,7 @@ def test_forward_launch_modes(headdim, causal, persistent, monkeypatch):
 
 
 def test_forward_many_heads_and_batches():
-    """Grid y/z extents well past one wave, with GQA."""
+    """Many more tiles than SMs (batch 17, 48 heads), with GQA."""
     q, k, v = _make_qkv(17, 70, 90, 48, 6, 64, torch.float16, seed=5)
     _check_against_reference(q, k, v, causal=True)
 

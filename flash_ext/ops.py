@@ -1,0 +1,59 @@
+"""torch.library registrations around the C++ ops, so that torch.compile traces them without graph breaks:
+
+- fake (meta) implementations of flash_ext::fwd, ::bwd and ::bwd_out (shapes only);
+- flash_ext::attention, the differentiable forward: a custom op whose implementation is ::fwd and whose
+  autograd formula calls ::bwd, with the gradient of lse (dlse) passed through exactly.
+"""
+import torch
+
+_ALIGN_BYTES = 16
+
+
+def _kernel_readable(t):
+    """A gradient handed over by autograd, in a layout the kernels read: autograd's are often expanded or
+    strided (the ones of a sum() have stride 0). contiguous() is a no-op on a contiguous tensor; a view
+    that starts off a 16-byte boundary is copied. Only sizes, strides and offsets are read, never data
+    pointers, so that this traces under torch.compile."""
+    t = t.contiguous()
+    if t.storage_offset() * t.element_size() % _ALIGN_BYTES != 0:
+        t = t.clone()
+    return t
+
+
+def register():
+    @torch.library.register_fake("flash_ext::fwd")
+    def _fwd_fake(q, k, v, softmax_scale, causal):
+        b, sq, h, _ = q.shape
+        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
+
+    @torch.library.register_fake("flash_ext::bwd")
+    def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic):
+        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+    @torch.library.register_fake("flash_ext::bwd_out")
+    def _bwd_out_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, dq, dk, dv):
+        return None
+
+    @torch.library.custom_op("flash_ext::attention", mutates_args=())
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
+                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.flash_ext.fwd(q, k, v, softmax_scale, causal)
+
+    @attention.register_fake
+    def _attention_fake(q, k, v, softmax_scale, causal, deterministic):
+        return _fwd_fake(q, k, v, softmax_scale, causal)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, softmax_scale, causal, deterministic = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else _kernel_readable(dout)
+        dq, dk, dv = torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal,
+                                             ctx.deterministic)
+        return dq, dk, dv, None, None, None
+
+    attention.register_autograd(backward, setup_context=setup_context)

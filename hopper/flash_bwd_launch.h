@@ -1,0 +1,80 @@
+// Host side of one backward instantiation: the workspace, the three launches (preprocess, main kernel,
+// postprocess), registration. Included only by the generated files hopper/instantiations/flash_bwd_*.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "bwd_postprocess.h"
+#include "bwd_preprocess.h"
+#include "flash.h"
+#include "flash_bwd_kernel.h"
+#include "kernel_launch.h"
+#include "kernel_registry.h"
+#include "tile_size.h"
+
+namespace flash {
+
+// The workspace of one call, carved from BwdParams::workspace in this order: the fp32 dQ accumulator and the
+// deterministic-mode semaphores (both zeroed before the main kernel), then LSE_log2 and dPsum per query row.
+template <int kBlockM, int kHeadDim>
+struct BwdWorkspace {
+  static constexpr size_t kAlign = 256;
+  int num_m_blocks, seqlen_q_rounded;
+  size_t accum_bytes, semaphore_bytes, stats_bytes;
+
+  static size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+  explicit BwdWorkspace(BwdParams const& p)
+      : num_m_blocks(ceil_div(p.seqlen_q, kBlockM)),
+        seqlen_q_rounded(num_m_blocks * kBlockM),
+        accum_bytes(aligned(size_t(p.batch) * p.nheads * seqlen_q_rounded * kHeadDim * sizeof(float))),
+        semaphore_bytes(aligned(size_t(p.batch) * p.nheads * num_m_blocks * sizeof(int))),
+        stats_bytes(aligned(size_t(p.batch) * p.nheads * seqlen_q_rounded * sizeof(float))) {}
+
+  size_t total() const { return accum_bytes + semaphore_bytes + 2 * stats_bytes; }
+  size_t zeroed_bytes() const { return accum_bytes + semaphore_bytes; }
+  static char* base(BwdParams const& p) { return static_cast<char*>(p.workspace); }
+  float* accum(BwdParams const& p) const { return reinterpret_cast<float*>(base(p)); }
+  int* semaphores(BwdParams const& p) const { return reinterpret_cast<int*>(base(p) + accum_bytes); }
+  float* lse_log2(BwdParams const& p) const { return reinterpret_cast<float*>(base(p) + zeroed_bytes()); }
+  float* dpsum(BwdParams const& p) const { return reinterpret_cast<float*>(base(p) + zeroed_bytes() + stats_bytes); }
+};
+
+template <class Element, int kHeadDim, bool kIsCausal>
+struct BwdLauncher {
+  using Config = BwdConfig<Element, kHeadDim, kIsCausal>;
+  using Kernel = BwdKernel<Config>;
+  using Workspace = BwdWorkspace<Config::kBlockM, kHeadDim>;
+  using Preprocess = BwdPreprocess<Element, Config::kBlockM>;
+  using Postprocess = BwdPostprocess<Element, Config::kBlockM, kHeadDim, typename Kernel::Mainloop::TiledMmadQ,
+                                     Kernel::kNumMmaThreads>;
+
+  static size_t workspace_bytes(BwdParams const& p) { return Workspace(p).total(); }
+
+  static void run(BwdParams const& p, cudaStream_t stream) {
+    int const device = current_device();
+    Workspace const ws(p);
+    FLASH_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, ws.zeroed_bytes(), stream));
+
+    typename Preprocess::Params const pre{p.o, p.dout, p.lse, p.dlse, ws.lse_log2(p), ws.dpsum(p), p.seqlen_q,
+                                          ws.seqlen_q_rounded, p.nheads, p.headdim};
+    launch_kernel<Preprocess>(Preprocess::grid(ws.seqlen_q_rounded, p.nheads, p.batch), pre, device, stream);
+
+    auto const mainloop = Kernel::Mainloop::to_params(p, ws.lse_log2(p), ws.dpsum(p), ws.seqlen_q_rounded);
+    typename Kernel::DqAccum::Params const dq{ws.accum(p), ws.semaphores(p), p.deterministic};
+    launch_kernel<Kernel>(Kernel::grid(p), Kernel::to_params(p, mainloop, dq, ws.num_m_blocks), device, stream);
+
+    typename Postprocess::Params const post{ws.accum(p), p.dq, p.seqlen_q, p.nheads, ws.num_m_blocks, p.headdim,
+                                            p.softmax_scale};
+    launch_kernel<Postprocess>(Postprocess::grid(ws.num_m_blocks, p.nheads, p.batch), post, device, stream);
+  }
+};
+
+template <class Element, int kHeadDim, bool kIsCausal>
+struct BwdKernelRegistration : KernelRegistration<BwdParams> {
+  using Launcher = BwdLauncher<Element, kHeadDim, kIsCausal>;
+  BwdKernelRegistration()
+      : KernelRegistration<BwdParams>(kHeadDim, dtype_name<Element>(), kIsCausal, &Launcher::run, &Launcher::workspace_bytes) {}
+};
+
+}  // namespace flash
