@@ -79,6 +79,8 @@ def _selected_kernels():
     C++ files (host compiler only: nvcc would split the comma list)."""
     table = _kernel_table()
     hdims = [int(h) for h in _parse_list("FLASH_EXT_HEADDIMS", table.KERNEL_HEADDIMS, table.KERNEL_HEADDIMS)]
+    # Per direction, the kernels that run the selected head dims (the backward runs d192 on its d256 kernel).
+    kernel_hdims = {direction: {table.kernel_headdim(h, direction) for h in hdims} for direction in table.HEADDIMS_BY_DIRECTION}
     dtypes = _parse_list("FLASH_EXT_DTYPES", tuple(table.DTYPES), tuple(table.DTYPES))
     causal = [c == "1" for c in _parse_list("FLASH_EXT_CAUSAL", ("0", "1"), ("0", "1"))]
     directions = ["fwd"] + (["bwd"] if _parse_list("FLASH_EXT_BACKWARD", ("0", "1"), ("1",)) == ["1"] else [])
@@ -87,9 +89,11 @@ def _selected_kernels():
         path = ROOT / "hopper" / "instantiations" / entry.file_name
         if not path.exists():
             raise RuntimeError(f"{path} is missing; run python hopper/generate_kernels.py")
-        if entry.direction in directions and entry.headdim in hdims and entry.dtype in dtypes and entry.causal in causal:
+        if (entry.direction in directions and entry.headdim in kernel_hdims[entry.direction] and entry.dtype in dtypes
+                and entry.causal in causal):
             sources.append(str(path.relative_to(ROOT)))
-    defines = ["-DFLASH_EXT_KERNEL_HEADDIMS=" + ",".join(str(d) for d in table.KERNEL_HEADDIMS)]
+    defines = [f"-DFLASH_EXT_{direction.upper()}_HEADDIMS=" + ",".join(map(str, headdims))
+               for direction, headdims in table.HEADDIMS_BY_DIRECTION.items()]
     return sources, defines
 
 

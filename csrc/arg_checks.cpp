@@ -9,15 +9,16 @@
 #include <sstream>
 #include <string>
 
-#ifndef FLASH_EXT_KERNEL_HEADDIMS
-#error "setup.py passes FLASH_EXT_KERNEL_HEADDIMS from flash_ext/kernel_table.py"
+#if !defined(FLASH_EXT_FWD_HEADDIMS) || !defined(FLASH_EXT_BWD_HEADDIMS)
+#error "setup.py passes FLASH_EXT_FWD_HEADDIMS and FLASH_EXT_BWD_HEADDIMS from flash_ext/kernel_table.py"
 #endif
 
 namespace flash_api {
 namespace {
 
-constexpr int kKernelHeadDims[] = {FLASH_EXT_KERNEL_HEADDIMS};
-constexpr int kMaxHeadDim = kKernelHeadDims[sizeof(kKernelHeadDims) / sizeof(int) - 1];
+constexpr int kFwdHeadDims[] = {FLASH_EXT_FWD_HEADDIMS};
+constexpr int kBwdHeadDims[] = {FLASH_EXT_BWD_HEADDIMS};
+constexpr int kMaxHeadDim = kFwdHeadDims[sizeof(kFwdHeadDims) / sizeof(int) - 1];
 
 // Messages speak Python: torch.float16, (1, 8, 2, 64).
 std::string torch_name(at::ScalarType t) {
@@ -88,11 +89,18 @@ int64_t tma_stride(at::Tensor const& t, int dim) {
   return t.size(dim) == 1 ? kAlignBytes / int64_t(t.element_size()) : t.stride(dim);
 }
 
-int kernel_headdim(int64_t headdim) {
-  for (int d : kKernelHeadDims) {
+namespace {
+template <size_t N>
+int next_kernel_headdim(int const (&headdims)[N], int64_t headdim) {
+  for (int d : headdims) {
     if (headdim <= d) return d;
   }
   return -1;
+}
+}  // namespace
+
+int kernel_headdim(int64_t headdim, Direction direction) {
+  return direction == Direction::kFwd ? next_kernel_headdim(kFwdHeadDims, headdim) : next_kernel_headdim(kBwdHeadDims, headdim);
 }
 
 AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale,
@@ -116,7 +124,7 @@ AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor co
                     ") for MQA/GQA");
   TORCH_CHECK_VALUE(s.headdim % 8 == 0 && s.headdim >= 8 && s.headdim <= kMaxHeadDim, "head dim ", s.headdim,
                     " is not supported: it must be a multiple of 8 in [8, ", kMaxHeadDim, "] (kernels for ",
-                    tuple_str(at::IntArrayRef(std::vector<int64_t>(std::begin(kKernelHeadDims), std::end(kKernelHeadDims)))),
+                    tuple_str(at::IntArrayRef(std::vector<int64_t>(std::begin(kFwdHeadDims), std::end(kFwdHeadDims)))),
                     "; others run on the next size up)");
   // The kernels index rows, tiles and heads with 32-bit integers (tiles of at least 64 rows).
   TORCH_CHECK_VALUE(s.seqlen_q < (int64_t(1) << 31) && s.seqlen_k < (int64_t(1) << 31) &&

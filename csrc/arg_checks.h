@@ -41,7 +41,9 @@ void check_on_gpu(std::initializer_list<std::pair<at::Tensor const*, char const*
 // The stride the TMA descriptor gets for a dim: a dim of size 1 is never stepped, so any stride will do.
 int64_t tma_stride(at::Tensor const& t, int dim);
 
-// The smallest kernel head dim >= headdim (flash_ext/kernel_table.py's KERNEL_HEADDIMS).
-int kernel_headdim(int64_t headdim);
+enum class Direction { kFwd, kBwd };
+
+// The smallest kernel head dim >= headdim of a direction (flash_ext/kernel_table.py's HEADDIMS_BY_DIRECTION).
+int kernel_headdim(int64_t headdim, Direction direction);
 
 }  // namespace flash_api

@@ -65,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
                                            double softmax_scale, bool causal) {
   auto const s = flash_api::check_qkv(q, k, v, softmax_scale, "flash_ext.forward");
   flash_api::check_on_gpu({{&q, "q"}, {&k, "k"}, {&v, "v"}}, "flash_ext.forward");
-  auto const& kernel = find_kernel<flash::FwdParams>("forward", flash_api::kernel_headdim(s.headdim), q.scalar_type(), causal);
+  auto const& kernel = find_kernel<flash::FwdParams>("forward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kFwd), q.scalar_type(), causal);
 
   c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor out = at::empty({s.batch, s.seqlen_q, s.nheads, s.headdim}, q.options());
@@ -106,7 +106,7 @@ void mha_bwd_out(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& 
                              {&dk, "dk"}, {&dv, "dv"}}, op);
   }
   at::Device const device = q.device();
-  auto const& kernel = find_kernel<flash::BwdParams>("backward", flash_api::kernel_headdim(s.headdim), q.scalar_type(), causal);
+  auto const& kernel = find_kernel<flash::BwdParams>("backward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kBwd), q.scalar_type(), causal);
 
   c10::cuda::CUDAGuard device_guard(device);
   at::Tensor const lse_c = lse.contiguous();

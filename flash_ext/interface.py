@@ -44,7 +44,7 @@ def has_kernel(direction, headdim, dtype, causal, info=None):
     """Whether the loaded build (or `info`, a build_info() dict) runs `direction` ("fwd"/"bwd") at this head
     dim (any multiple of 8 up to 256), dtype (torch.float16/bfloat16 or "fp16"/"bf16") and mask."""
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, dtype)
-    wanted = {"direction": direction, "headdim": kernel_headdim(headdim), "dtype": name, "causal": causal}
+    wanted = {"direction": direction, "headdim": kernel_headdim(headdim, direction), "dtype": name, "causal": causal}
     return wanted in (info if info is not None else build_info())["kernels"]
 
 

@@ -2,7 +2,7 @@
 
 - hopper/generate_kernels.py writes one instantiation file per entry (hopper/instantiations/*.cu), each of
   which registers its launcher with the C++ registry (hopper/kernel_registry.h) when the library loads;
-- setup.py compiles the entries its build switches select and passes KERNEL_HEADDIMS to the C++ op;
+- setup.py compiles the entries its build switches select and passes each direction's head dims to the op;
 - flash_ext.kernel_headdim() and the tests read the head dims from here, and flash_ext.build_info() says
   which entries a build contains.
 
@@ -17,8 +17,9 @@ KERNEL_HEADDIMS = (64, 96, 128, 192, 256)
 # dtype name -> the CUTLASS element type of the kernels.
 DTYPES = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
 CAUSAL = (False, True)
-# The kernel head dims of each direction.
-HEADDIMS_BY_DIRECTION = {"fwd": KERNEL_HEADDIMS, "bwd": (64, 96, 128)}
+# The kernel head dims of each direction (the backward runs head dims 129-256, d192 included, on its d256
+# kernel: its d192 tiles would need three consumer warpgroups, which did not pay for a kernel of its own).
+HEADDIMS_BY_DIRECTION = {"fwd": KERNEL_HEADDIMS, "bwd": (64, 96, 128, 256)}
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,13 @@ def all_kernels():
     ]
 
 
-def kernel_headdim(headdim):
-    """The kernel head dim that runs a given head dim (the smallest kernel head dim >= headdim)."""
+def kernel_headdim(headdim, direction="fwd"):
+    """The kernel head dim that runs a given head dim in `direction` ("fwd" or "bwd"): the smallest kernel
+    head dim of that direction >= headdim."""
     if isinstance(headdim, bool) or not isinstance(headdim, int) or headdim < 8 or headdim % 8 != 0:
         raise ValueError(f"head dim must be a positive multiple of 8, got {headdim!r}")
-    for d in KERNEL_HEADDIMS:
+    headdims = HEADDIMS_BY_DIRECTION[direction]
+    for d in headdims:
         if headdim <= d:
             return d
-    raise ValueError(f"head dim {headdim} is larger than the largest supported ({KERNEL_HEADDIMS[-1]})")
+    raise ValueError(f"head dim {headdim} is larger than the largest supported ({headdims[-1]})")

@@ -2,16 +2,22 @@
 // the contributions are added into an fp32 accumulator in global memory (workspace), which the
 // postprocess kernel scales and converts to dq.
 //
-// The consumers stage their fragments in shared memory (consumer_store); one warp of the producer
-// warpgroup adds each staged block to global memory with a bulk reduce-add (cp.reduce.async.bulk .add.f32),
-// so the consumers never wait on global memory. The accumulator keeps the fragment order: value v of
-// consumer thread t lands at float ((v / 4) * kNumMmaThreads + t) * 4 + v % 4 of the block (conflict-free
-// 16-byte stores), and the postprocess kernel reads it back through the same TiledMma.
+// Two ways in, by what shared memory allows:
+// - staged (consumer_store): the consumers stage their fragments in shared memory, in two buffers used in
+//   turn; one warp of the producer warpgroup adds each staged block to global memory with a bulk
+//   reduce-add (cp.reduce.async.bulk .add.f32), so the consumers wait neither on global memory nor on the
+//   writer while the other buffer is free;
+// - from registers (consumer_add): atomic float4 adds straight from the consumers' registers, where no
+//   shared memory is left for staging (d256).
+// The accumulator keeps the fragment order: value v of consumer thread t lands at float
+// ((v / 4) * kNumMmaThreads + t) * 4 + v % 4 of the block (conflict-free 16-byte accesses), and the
+// postprocess kernel reads it back through the same TiledMma.
 //
 // Deterministic mode: per (batch, head, query block) a semaphore counts the K/V blocks that have added
-// their contribution; K/V block n waits until it reads n, adds, waits for the add to complete, and
-// writes n + 1. The K/V blocks that see a query block are always 0 .. n_max - 1 (mask.h), and CTAs start
-// in block order, so every wait ends.
+// their contribution; the K/V block of rank r (its place among the blocks that see the query block, in
+// the order the CTAs start; the kernel computes it) waits until it reads r, adds, waits for the add to
+// complete, and writes r + 1 (from registers: the consumers own the block between the two and add with
+// plain loads and stores). Every wait is for CTAs that started earlier, so every wait ends.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -26,10 +32,11 @@ using namespace cute;
 template <int kBlockM, int kHeadDim, int kNumMmaThreads>
 struct DqAccumulator {
   static constexpr int kBlockFloats = kBlockM * kHeadDim;
+  static constexpr int kBuffers = 2;
   static constexpr uint32_t kBarrierThreads = kNumMmaThreads + cutlass::NumThreadsPerWarp;  // + the writer warp
 
   struct TensorStorage {
-    alignas(128) float smem_dq[kBlockFloats];
+    alignas(128) float smem_dq[kBuffers][kBlockFloats];
   };
 
   struct Params {
@@ -38,51 +45,83 @@ struct DqAccumulator {
     bool deterministic;
   };
 
-  // Consumers, once per query block: wait for the buffer, stage the fragment, hand it to the writer.
+  static __device__ __forceinline__ uint32_t empty_barrier(int i) { return uint32_t(BwdNamedBarriers::kdQEmpty0) + i % kBuffers; }
+  static __device__ __forceinline__ uint32_t full_barrier(int i) { return uint32_t(BwdNamedBarriers::kdQFull0) + i % kBuffers; }
+
+  // Consumers, for the i-th query block: wait for its buffer, stage the fragment, hand it to the writer.
   template <class FragdQ>
-  __device__ static void consumer_store(TensorStorage& storage, FragdQ const& tdQrdQ, int thread_idx) {
+  __device__ static void consumer_store(TensorStorage& storage, FragdQ const& tdQrdQ, int thread_idx, int i) {
     constexpr int kValues = decltype(size(tdQrdQ))::value;
     static_assert(kValues % 4 == 0);
-    cutlass::arch::NamedBarrier::sync(kBarrierThreads, uint32_t(BwdNamedBarriers::kdQEmpty));
-    float4* dst = reinterpret_cast<float4*>(storage.smem_dq);
+    cutlass::arch::NamedBarrier::sync(kBarrierThreads, empty_barrier(i));
+    float4* dst = reinterpret_cast<float4*>(storage.smem_dq[i % kBuffers]);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kValues / 4; ++j) {
       dst[j * kNumMmaThreads + thread_idx] = make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the bulk copy unit
-    cutlass::arch::NamedBarrier::arrive(kBarrierThreads, uint32_t(BwdNamedBarriers::kdQFull));
+    cutlass::arch::NamedBarrier::arrive(kBarrierThreads, full_barrier(i));
   }
 
-  // The writer warp (all 32 lanes), before its first block: the buffer starts empty.
-  __device__ static void writer_start() {
-    cutlass::arch::NamedBarrier::arrive(kBarrierThreads, uint32_t(BwdNamedBarriers::kdQEmpty));
+  // The writer warp (all 32 lanes), before its first block of `count`: the buffers start empty.
+  __device__ static void writer_start(int count) {
+    for (int b = 0; b < kBuffers && b < count; ++b) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, empty_barrier(b)); }
   }
 
-  // The writer warp, once per query block in the consumers' order: adds the staged block to block
-  // `block_index` of the accumulator. `n_block` orders the additions in deterministic mode.
-  __device__ static void writer_add(Params const& params, TensorStorage& storage, int64_t block_index, int n_block,
-                                    bool is_last) {
-    cutlass::arch::NamedBarrier::sync(kBarrierThreads, uint32_t(BwdNamedBarriers::kdQFull));
+  // The writer warp, for the i-th of `count` query blocks, in the consumers' order: adds the staged block to
+  // block `block_index` of the accumulator. `rank` orders the additions in deterministic mode.
+  __device__ static void writer_add(Params const& params, TensorStorage& storage, int64_t block_index, int rank, int i,
+                                    int count) {
+    cutlass::arch::NamedBarrier::sync(kBarrierThreads, full_barrier(i));
     bool const leader = cute::elect_one_sync();
     int* semaphore = params.semaphores + block_index;
     if (leader) {
       if (params.deterministic) {
-        while (load_acquire(semaphore) != n_block) {}
+        while (load_acquire(semaphore) != rank) {}
         asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk add follows the acquire
       }
-      bulk_reduce_add(params.accum + block_index * kBlockFloats, storage.smem_dq, kBlockFloats * int(sizeof(float)));
+      bulk_reduce_add(params.accum + block_index * kBlockFloats, storage.smem_dq[i % kBuffers],
+                      kBlockFloats * int(sizeof(float)));
       tma_store_arrive();   // commit the bulk group
       tma_store_wait<0>();  // ... until it has read the staging buffer
     }
     __syncwarp();
-    if (!is_last) {
-      cutlass::arch::NamedBarrier::arrive(kBarrierThreads, uint32_t(BwdNamedBarriers::kdQEmpty));
-    }
+    if (i + kBuffers < count) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, empty_barrier(i)); }
     if (leader && params.deterministic) {
       asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the add itself has completed
       asm volatile("fence.proxy.async.global;" ::: "memory");
-      store_release(semaphore, n_block + 1);
+      store_release(semaphore, rank + 1);
     }
+  }
+
+  // Consumers, from registers: adds the fragment to block `block_index` of the accumulator.
+  template <class FragdQ>
+  __device__ static void consumer_add(Params const& params, FragdQ const& tdQrdQ, int thread_idx, int64_t block_index,
+                                      int rank) {
+    constexpr int kValues = decltype(size(tdQrdQ))::value;
+    static_assert(kValues % 4 == 0);
+    float4* dst = reinterpret_cast<float4*>(params.accum + block_index * kBlockFloats) + thread_idx;
+    if (!params.deterministic) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kValues / 4; ++j) {
+        atomicAdd(dst + j * kNumMmaThreads, make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
+      }
+      return;
+    }
+    int* semaphore = params.semaphores + block_index;
+    if (thread_idx == 0) {
+      while (load_acquire(semaphore) != rank) {}
+    }
+    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdQOwned));
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kValues / 4; ++j) {
+      float4 v = __ldcg(dst + j * kNumMmaThreads);  // from L2: this SM's L1 may hold an older copy
+      v.x += tdQrdQ(4 * j), v.y += tdQrdQ(4 * j + 1), v.z += tdQrdQ(4 * j + 2), v.w += tdQrdQ(4 * j + 3);
+      dst[j * kNumMmaThreads] = v;
+    }
+    __threadfence();
+    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdQOwned));
+    if (thread_idx == 0) { store_release(semaphore, rank + 1); }
   }
 
  private:

@@ -1,6 +1,8 @@
 // The backward epilogue collective: dK (scaled by the softmax scale) and dV of the CTA's K/V block, from
-// fp32 registers -> Element -> shared memory (stmatrix, into K's and V's buffers, which no GEMM reads any
-// more) -> TMA stores (rows past seqlen_k and columns past the real head dim are clipped).
+// fp32 registers -> Element -> shared memory (into K's and V's buffers, which no GEMM reads any more) ->
+// TMA stores (rows past seqlen_k and columns past the real head dim are clipped). Accumulators laid out
+// (keys, head dim) go to shared memory by stmatrix; transposed ones (head dim, keys: kTransposedAcc) value
+// by value through their coordinates.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -15,7 +17,8 @@ namespace flash {
 
 using namespace cute;
 
-template <class Element, int kBlockN, int kHeadDim, class SmemLayoutKV, class TiledMmadKV, int kNumMmaThreads>
+template <class Element, int kBlockN, int kHeadDim, class SmemLayoutKV, class TiledMmadKV, int kNumMmaThreads,
+          bool kTransposedAcc>
 struct BwdEpilogue {
   using TileShapeND = Shape<Int<kBlockN>, Int<kHeadDim>>;
   using GmemTensor = decltype(make_gmem_bshd(static_cast<Element*>(nullptr), GmemShape{}, 0, 0, 0));
@@ -48,12 +51,23 @@ struct BwdEpilogue {
     convert_into(tdKrdK, tdKrdK_out);
     convert_into(tdVrdV, tdVrdV_out);
 
-    auto smem_tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmadKV{});
-    auto smem_thread_copy = smem_tiled_copy.get_thread_slice(thread_idx);
     // Every consumer warpgroup is past its last GEMM, which read K and V.
     cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kEpilogue));
-    copy(smem_tiled_copy, smem_thread_copy.retile_S(tdKrdK_out), smem_thread_copy.partition_D(sdK));
-    copy(smem_tiled_copy, smem_thread_copy.retile_S(tdVrdV_out), smem_thread_copy.partition_D(sdV));
+    if constexpr (!kTransposedAcc) {
+      auto smem_tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmadKV{});
+      auto smem_thread_copy = smem_tiled_copy.get_thread_slice(thread_idx);
+      copy(smem_tiled_copy, smem_thread_copy.retile_S(tdKrdK_out), smem_thread_copy.partition_D(sdK));
+      copy(smem_tiled_copy, smem_thread_copy.retile_S(tdVrdV_out), smem_thread_copy.partition_D(sdV));
+    } else {
+      Tensor coords = TiledMmadKV{}.get_thread_slice(thread_idx).partition_C(
+          make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockN>>{}));  // (head dim, key) of each value
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(tdKrdK_out); ++i) {
+        int const d = int(get<0>(coords(i))), key = int(get<1>(coords(i)));
+        sdK(key, d) = tdKrdK_out(i);
+        sdV(key, d) = tdVrdV_out(i);
+      }
+    }
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA unit
     cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kEpilogue));
     if (thread_idx == 0) {

@@ -1,7 +1,10 @@
 // The warp-specialized backward kernel: one CTA per K/V block (of one K/V head and batch). Warpgroup 0:
-// warp 0 loads (TMA), warp 1 adds each query block's dQ to global memory; the other warpgroups compute
-// (mainloop_bwd.h) and store dK, dV (epilogue_bwd.h).
+// warp 0 loads (bwd_loads.h); warp 1 adds each query block's staged dQ to global memory (where dQ is
+// staged); the other warpgroups compute (mainloop_bwd.h up to d128, mainloop_bwd_headsplit.h beyond) and
+// store dK, dV (epilogue_bwd.h).
 #pragma once
+
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -9,10 +12,12 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "bwd_loads.h"
 #include "dq_accumulator.h"
 #include "epilogue_bwd.h"
 #include "flash.h"
 #include "mainloop_bwd.h"
+#include "mainloop_bwd_headsplit.h"
 #include "mask.h"
 #include "tile_scheduler.h"
 
@@ -23,7 +28,8 @@ using namespace cute;
 template <class Config>
 struct BwdKernel {
   using Element = typename Config::Element;
-  using Mainloop = BwdMainloop<Config>;
+  using Mainloop = std::conditional_t<Config::kHeadSplit, BwdMainloopHeadSplit<Config>, BwdMainloop<Config>>;
+  using Loads = typename Mainloop::Loads;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kHeadDim = Config::kHeadDim;
@@ -32,40 +38,48 @@ struct BwdKernel {
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   static constexpr int kMinBlocksPerSm = 1;
   static constexpr int kSmemLimit = 227 * 1024;
+  static constexpr bool kDqFromRegisters = Mainloop::kDqFromRegisters;
 
   using DqAccum = DqAccumulator<kBlockM, kHeadDim, kNumMmaThreads>;
   using Epilogue = BwdEpilogue<Element, kBlockN, kHeadDim, typename Mainloop::SmemLayoutK, typename Mainloop::TiledMmadKV,
-                               kNumMmaThreads>;
-  // K/V blocks in order: with a causal mask the first blocks see the most queries (longest first), and
-  // deterministic mode needs block n - 1 of a head to start before block n.
-  using Scheduler = TileScheduler<kBlockN, /*kLongestFirst=*/false>;
+                               kNumMmaThreads, Mainloop::kTransposedDkv>;
+  // K/V blocks in order: with a causal mask the first blocks see the most queries (longest first).
+  // Deterministic mode adds each query block's dQ contributions in the order the CTAs start; causally the
+  // last K/V blocks see the fewest query blocks, so they go first there (block n then waits for blocks
+  // that started at nearby query blocks, not for block 0 to get there).
+  using Scheduler = TileScheduler<kBlockN>;
+  __host__ __device__ static bool reverse_blocks(bool deterministic) { return deterministic && kIsCausal; }
 
+  struct NoDqStaging {};
   struct SharedStorage {
-    typename Mainloop::TensorStorage mainloop;
-    typename DqAccum::TensorStorage dq;
-    typename Mainloop::BarrierStorage barriers;
+    typename Loads::TensorStorage loaded;
+    typename Mainloop::TensorStorage compute;
+    std::conditional_t<kDqFromRegisters, NoDqStaging, typename DqAccum::TensorStorage> dq;
+    typename Loads::BarrierStorage barriers;
   };
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
   static_assert(kSharedStorageBytes <= kSmemLimit, "shared memory over the sm90 limit");
 
   struct Params {
-    typename Mainloop::Params mainloop;
+    typename Loads::Params loads;
     typename Epilogue::Params epilogue;
     typename DqAccum::Params dq;
     int seqlen_q, seqlen_k, nheads_kv, batch, qheads_per_kvhead, num_m_blocks;
     float softmax_scale;  // dK's factor
   };
 
-  static Params to_params(BwdParams const& p, typename Mainloop::Params const& mainloop, typename DqAccum::Params const& dq,
+  static Params to_params(BwdParams const& p, typename Loads::Params const& loads, typename DqAccum::Params const& dq,
                           int num_m_blocks) {
-    return {mainloop, Epilogue::to_params(p), dq, p.seqlen_q, p.seqlen_k, p.nheads_kv, p.batch, p.nheads / p.nheads_kv,
+    return {loads, Epilogue::to_params(p), dq, p.seqlen_q, p.seqlen_k, p.nheads_kv, p.batch, p.nheads / p.nheads_kv,
             num_m_blocks, p.softmax_scale};
   }
 
-  static dim3 grid(BwdParams const& p) { return Scheduler(p.seqlen_k, p.nheads_kv, p.batch).grid(/*persistent=*/false, 0); }
+  static dim3 grid(BwdParams const& p) {
+    return Scheduler(p.seqlen_k, p.nheads_kv, p.batch, reverse_blocks(p.deterministic)).grid(/*persistent=*/false, 0);
+  }
 
   __device__ static void run(Params const& params, char* smem) {
-    using PipelineQ = typename Mainloop::PipelineQ;
+    using PipelineQ = typename Loads::PipelineQ;
     using Blocks = BlockRange<kBlockM, kBlockN, kIsCausal>;
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
 
@@ -74,16 +88,21 @@ struct BwdKernel {
     bool const is_producer_thread = threadIdx.x == 0;
 
     if (warp_idx == 0 && cute::elect_one_sync()) {
-      Mainloop::prefetch_descriptors(params.mainloop);
+      Loads::prefetch_descriptors(params.loads);
       Epilogue::prefetch_descriptors(params.epilogue);
-      Mainloop::init_barriers(storage.barriers);
+      Loads::init_barriers(storage.barriers);
     }
-    auto const pipeline_params = Mainloop::pipeline_params(warp_group_idx == 0, is_producer_thread);
-    PipelineQ pipeline_q(storage.barriers.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
-    PipelineQ pipeline_do(storage.barriers.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
+    bool const is_producer_warpgroup = warp_group_idx == 0;
+    PipelineQ pipeline_q(storage.barriers.pipeline_q,
+                         Loads::pipeline_params(Loads::kTmaBytesQ, is_producer_warpgroup, is_producer_thread),
+                         Shape<_1, _1, _1>{});
+    PipelineQ pipeline_do(storage.barriers.pipeline_do,
+                          Loads::pipeline_params(Loads::kTmaBytesdO, is_producer_warpgroup, is_producer_thread),
+                          Shape<_1, _1, _1>{});
     __syncthreads();
 
-    TileCoord const tile = Scheduler(params.seqlen_k, params.nheads_kv, params.batch).coord(int(blockIdx.x));
+    bool const reverse = reverse_blocks(params.dq.deterministic);
+    TileCoord const tile = Scheduler(params.seqlen_k, params.nheads_kv, params.batch, reverse).coord(int(blockIdx.x));
     int const m_block_min = Blocks::m_block_min(tile.block, params.seqlen_q, params.seqlen_k);
     BwdWork const work{tile.block,
                        tile.head,
@@ -91,34 +110,50 @@ struct BwdKernel {
                        params.qheads_per_kvhead,
                        m_block_min,
                        max(0, Blocks::m_block_max(params.seqlen_q) - m_block_min)};
+    // The accumulator block of the i-th query block, and this CTA's place among the K/V blocks that add to
+    // it (0 .. n_block_max - 1 in start order) for deterministic mode.
+    auto dq_block_index = [&](int i) {
+      return (int64_t(work.batch) * params.qheads_per_kvhead * params.nheads_kv + work.head(i)) * params.num_m_blocks +
+             work.m_block(i);
+    };
+    auto dq_rank = [&](int i) {
+      return reverse ? Blocks::n_block_max(work.m_block(i), params.seqlen_q, params.seqlen_k) - 1 - work.n_block
+                     : work.n_block;
+    };
 
     if (warp_group_idx == 0) {
       cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
       if (warp_idx == 0) {
-        if (is_producer_thread) {
-          Mainloop::load(params.mainloop, storage.mainloop, storage.barriers, pipeline_q, pipeline_do, work);
-        }
+        if (is_producer_thread) { Loads::load(params.loads, storage.loaded, storage.barriers, pipeline_q, pipeline_do, work); }
       } else if (warp_idx == 1) {
-        if (work.count() > 0) { DqAccum::writer_start(); }
-        for (int i = 0; i < work.count(); ++i) {
-          int64_t const block_index = (int64_t(work.batch) * params.qheads_per_kvhead * params.nheads_kv + work.head(i)) *
-                                          params.num_m_blocks + work.m_block(i);
-          DqAccum::writer_add(params.dq, storage.dq, block_index, work.n_block, /*is_last=*/i + 1 == work.count());
+        if constexpr (!kDqFromRegisters) {
+          DqAccum::writer_start(work.count());
+          for (int i = 0; i < work.count(); ++i) {
+            DqAccum::writer_add(params.dq, storage.dq, dq_block_index(i), dq_rank(i), i, work.count());
+          }
         }
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
       int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
       typename Mainloop::TiledMmadKV tiled_mma_dkv;
-      Tensor tdKrdK = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-      Tensor tdVrdV = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-      Mainloop::wait_kv(storage.barriers);
-      Mainloop::mma(params.mainloop, storage.mainloop, pipeline_q, pipeline_do, work, thread_idx, tdKrdK, tdVrdV,
-                    [&](auto const& tdQrdQ) { DqAccum::consumer_store(storage.dq, tdQrdQ, thread_idx); });
+      auto const tile_dkv = std::conditional_t<Mainloop::kTransposedDkv, Shape<Int<kHeadDim>, Int<kBlockN>>,
+                                               Shape<Int<kBlockN>, Int<kHeadDim>>>{};
+      Tensor tdKrdK = partition_fragment_C(tiled_mma_dkv, tile_dkv);
+      Tensor tdVrdV = partition_fragment_C(tiled_mma_dkv, tile_dkv);
+      Loads::wait_kv(storage.barriers);
+      Mainloop::mma(params.loads, storage.loaded, storage.compute, pipeline_q, pipeline_do, work, thread_idx, tdKrdK, tdVrdV,
+                    [&](auto const& tdQrdQ, int i) {
+                      if constexpr (kDqFromRegisters) {
+                        DqAccum::consumer_add(params.dq, tdQrdQ, thread_idx, dq_block_index(i), dq_rank(i));
+                      } else {
+                        DqAccum::consumer_store(storage.dq, tdQrdQ, thread_idx, i);
+                      }
+                    });
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(tdKrdK); ++i) { tdKrdK(i) *= params.softmax_scale; }
-      Epilogue::store(params.epilogue, storage.mainloop.smem_k.data(), storage.mainloop.smem_v.data(), work.n_block,
-                      work.kv_head, work.batch, thread_idx, tdKrdK, tdVrdV);
+      Epilogue::store(params.epilogue, storage.loaded.smem_k.data(), storage.loaded.smem_v.data(), work.n_block, work.kv_head,
+                      work.batch, thread_idx, tdKrdK, tdVrdV);
     }
   }
 };

@@ -14,13 +14,14 @@
 
 namespace flash {
 
-// The workspace of one call, carved from BwdParams::workspace in this order: the fp32 dQ accumulator and the
-// deterministic-mode semaphores (both zeroed before the main kernel), then LSE_log2 and dPsum per query row.
+// The workspace of one call, carved from BwdParams::workspace in this order: the fp32 dQ accumulator and,
+// in deterministic mode only, its semaphores (both zeroed before the main kernel), then dPsum per query row.
+// As small as it can be: the backward's peak memory is outputs + this.
 template <int kBlockM, int kHeadDim>
 struct BwdWorkspace {
   static constexpr size_t kAlign = 256;
   int num_m_blocks, seqlen_q_rounded;
-  size_t accum_bytes, semaphore_bytes, stats_bytes;
+  size_t accum_bytes, semaphore_bytes, dpsum_bytes;
 
   static size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
@@ -28,16 +29,15 @@ struct BwdWorkspace {
       : num_m_blocks(ceil_div(p.seqlen_q, kBlockM)),
         seqlen_q_rounded(num_m_blocks * kBlockM),
         accum_bytes(aligned(size_t(p.batch) * p.nheads * seqlen_q_rounded * kHeadDim * sizeof(float))),
-        semaphore_bytes(aligned(size_t(p.batch) * p.nheads * num_m_blocks * sizeof(int))),
-        stats_bytes(aligned(size_t(p.batch) * p.nheads * seqlen_q_rounded * sizeof(float))) {}
+        semaphore_bytes(p.deterministic ? aligned(size_t(p.batch) * p.nheads * num_m_blocks * sizeof(int)) : 0),
+        dpsum_bytes(aligned(size_t(p.batch) * p.nheads * seqlen_q_rounded * sizeof(float))) {}
 
-  size_t total() const { return accum_bytes + semaphore_bytes + 2 * stats_bytes; }
+  size_t total() const { return accum_bytes + semaphore_bytes + dpsum_bytes; }
   size_t zeroed_bytes() const { return accum_bytes + semaphore_bytes; }
   static char* base(BwdParams const& p) { return static_cast<char*>(p.workspace); }
   float* accum(BwdParams const& p) const { return reinterpret_cast<float*>(base(p)); }
-  int* semaphores(BwdParams const& p) const { return reinterpret_cast<int*>(base(p) + accum_bytes); }
-  float* lse_log2(BwdParams const& p) const { return reinterpret_cast<float*>(base(p) + zeroed_bytes()); }
-  float* dpsum(BwdParams const& p) const { return reinterpret_cast<float*>(base(p) + zeroed_bytes() + stats_bytes); }
+  int* semaphores(BwdParams const& p) const { return p.deterministic ? reinterpret_cast<int*>(base(p) + accum_bytes) : nullptr; }
+  float* dpsum(BwdParams const& p) const { return reinterpret_cast<float*>(base(p) + zeroed_bytes()); }
 };
 
 template <class Element, int kHeadDim, bool kIsCausal>
@@ -56,13 +56,13 @@ struct BwdLauncher {
     Workspace const ws(p);
     FLASH_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, ws.zeroed_bytes(), stream));
 
-    typename Preprocess::Params const pre{p.o, p.dout, p.lse, p.dlse, ws.lse_log2(p), ws.dpsum(p), p.seqlen_q,
-                                          ws.seqlen_q_rounded, p.nheads, p.headdim};
+    typename Preprocess::Params const pre{p.o, p.dout, p.dlse, ws.dpsum(p), p.seqlen_q, ws.seqlen_q_rounded, p.nheads,
+                                          p.headdim};
     launch_kernel<Preprocess>(Preprocess::grid(ws.seqlen_q_rounded, p.nheads, p.batch), pre, device, stream);
 
-    auto const mainloop = Kernel::Mainloop::to_params(p, ws.lse_log2(p), ws.dpsum(p), ws.seqlen_q_rounded);
+    auto const loads = Kernel::Loads::to_params(p, ws.dpsum(p), ws.seqlen_q_rounded);
     typename Kernel::DqAccum::Params const dq{ws.accum(p), ws.semaphores(p), p.deterministic};
-    launch_kernel<Kernel>(Kernel::grid(p), Kernel::to_params(p, mainloop, dq, ws.num_m_blocks), device, stream);
+    launch_kernel<Kernel>(Kernel::grid(p), Kernel::to_params(p, loads, dq, ws.num_m_blocks), device, stream);
 
     typename Postprocess::Params const post{ws.accum(p), p.dq, p.seqlen_q, p.nheads, ws.num_m_blocks, p.headdim,
                                             p.softmax_scale};

@@ -46,7 +46,8 @@ struct FwdKernel {
                                kNumMmaThreads, kPersistentCapable>;
   static_assert(kPersistentCapable || Epilogue::kSmemBytes <= int(sizeof(Mainloop::TensorStorage::smem_q)),
                 "O is staged in Q's buffer");
-  using Scheduler = TileScheduler<kBlockM, /*kLongestFirst=*/kIsCausal>;
+  using Scheduler = TileScheduler<kBlockM>;
+  static constexpr bool kLongestFirst = kIsCausal;  // causal query blocks grow with the block index
 
   struct TensorsWithO {
     typename Mainloop::TensorStorage mainloop;
@@ -75,7 +76,7 @@ struct FwdKernel {
   static dim3 grid(FwdParams const& p, int num_sms) {
     bool persistent = kPersistentCapable && ceil_div(p.seqlen_k, kBlockN) <= kPersistentMaxBlocks;
     if (p.persistent >= 0) { persistent = kPersistentCapable && p.persistent != 0; }
-    return Scheduler(p.seqlen_q, p.nheads, p.batch).grid(persistent, num_sms);
+    return Scheduler(p.seqlen_q, p.nheads, p.batch, kLongestFirst).grid(persistent, num_sms);
   }
 
   __device__ static void run(Params const& params, char* smem) {
@@ -98,7 +99,7 @@ struct FwdKernel {
     PipelineKV pipeline_v(storage.barriers.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
     __syncthreads();
 
-    Scheduler const scheduler(params.seqlen_q, params.nheads, params.batch);
+    Scheduler const scheduler(params.seqlen_q, params.nheads, params.batch, kLongestFirst);
     auto for_each_tile = [&](auto&& body) {
       if constexpr (kPersistentCapable) {
         int iteration = 0;

@@ -2,8 +2,8 @@
 // kernel is parallel over: query blocks in the forward, K/V blocks in the backward.
 //
 // Tiles are numbered with the block fastest, then head, then batch, so CTAs running together share a
-// head's data in L2. kLongestFirst numbers the blocks in reverse: the forward's causal query blocks grow
-// with the block index, so the last ones go first. The grid is 1-D and CTA c computes tiles c,
+// head's data in L2; `reverse` numbers the blocks last first (the forward's causal query blocks grow with
+// the block index, so it starts the longest first). The grid is 1-D and CTA c computes tiles c,
 // c + gridDim.x, ...; the host picks the grid size:
 //  - one CTA per tile: the hardware hands tiles to SMs as they free up, which balances uneven (causal)
 //    tiles and run-to-run SM speed differences; best for long sequences;
@@ -21,12 +21,13 @@ struct TileCoord {
   int block, head, batch;
 };
 
-template <int kBlock, bool kLongestFirst>
+template <int kBlock>
 struct TileScheduler {
   int const num_blocks, nheads, num_tiles;
+  bool const reverse;
 
-  __host__ __device__ TileScheduler(int seqlen, int nheads_, int batch)
-      : num_blocks(ceil_div(seqlen, kBlock)), nheads(nheads_), num_tiles(num_blocks * nheads_ * batch) {}
+  __host__ __device__ TileScheduler(int seqlen, int nheads_, int batch, bool reverse_)
+      : num_blocks(ceil_div(seqlen, kBlock)), nheads(nheads_), num_tiles(num_blocks * nheads_ * batch), reverse(reverse_) {}
 
   dim3 grid(bool persistent, int num_sms) const {
     return dim3(unsigned(persistent ? min(num_tiles, num_sms) : num_tiles));
@@ -39,7 +40,7 @@ struct TileScheduler {
   __device__ __forceinline__ TileCoord coord(int tile) const {
     int const block = tile % num_blocks;
     int const head_batch = tile / num_blocks;
-    return {kLongestFirst ? num_blocks - 1 - block : block, head_batch % nheads, head_batch / nheads};
+    return {reverse ? num_blocks - 1 - block : block, head_batch % nheads, head_batch / nheads};
   }
 };
 

@@ -56,19 +56,21 @@ struct FwdConfig {
 
 namespace flash {
 
-// The static configuration of one backward kernel. A CTA owns kBlockN keys (64 per consumer warpgroup)
-// and walks the query blocks of kBlockM rows that see them.
+// The static configuration of one backward kernel. A CTA owns kBlockN keys and walks the query blocks of
+// kBlockM rows that see them. Up to d128 each consumer warpgroup owns 64 keys (mainloop_bwd.h); beyond,
+// dK and dV of 64 keys no longer fit a warpgroup's registers, so the warpgroups split the head dim
+// (mainloop_bwd_headsplit.h) over smaller K/V blocks.
 template <class Element_, int kHeadDim_, bool kIsCausal_>
 struct BwdConfig {
   static_assert(sizeof(Element_) == 2, "16-bit backward");
-  static_assert(kHeadDim_ <= 128, "d192/d256 need the head dim split over warpgroups (not built yet)");
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kIsCausal = kIsCausal_;
+  static constexpr bool kHeadSplit = kHeadDim > 128;
   static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kHeadSplit ? 64 : 128;
   static constexpr int kStages = 2;  // Q and dO pipeline depth
-  static constexpr int kNumMmaWarpGroups = kBlockN / 64;
+  static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 };

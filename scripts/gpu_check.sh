@@ -4,8 +4,10 @@
 # Every step runs under a time limit, so a hung kernel costs minutes, not the whole call.
 #   bash scripts/gpu_check.sh                     smoke checks, all tests, the quick benchmark
 #   BENCH=full / BENCH=0                          the default forward grid / no benchmark
-#   BWD_BENCH=1                                   also the backward benchmark (d64/d128 at 8k, both masks)
+#   BWD_BENCH=1                                   also the backward benchmark (d64/d128/d256 at 8k, both masks)
 #   AB=v0                                         also scripts/ab_fwd.py against variant build(s) v0,...
+#   AB_BWD=b0                                     also scripts/ab_bwd.py against variant build(s) b0,...
+#   MEMCHECK=1                                    also compute-sanitizer memcheck over every backward kernel
 #   TESTS=0, PYTEST_ARGS="-k backward"            skip or narrow the tests
 #   SMOKE_S, PYTEST_S, BENCH_S                    time limits in seconds (a device call is at most 600 s)
 set -uo pipefail
@@ -30,9 +32,13 @@ python3 -c "import torch, flash_ext; print('torch', torch.__version__, '| flash_
 
 step smoke_fwd ${SMOKE_S:-90} python3 scripts/smoke_fwd.py
 step smoke_bwd ${SMOKE_S:-90} python3 scripts/smoke_bwd.py
+step smoke_bwd_det ${SMOKE_S:-90} python3 scripts/smoke_bwd.py --deterministic
 if [ "${TESTS:-1}" != 0 ]; then
   step pytest ${PYTEST_S:-300} python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-}
   grep -E "passed|failed" "$out/pytest.log" | tail -n 1 | tee -a "$out/summary.txt"
+fi
+if [ -n "${AB_BWD:-}" ]; then
+  step ab_bwd ${BENCH_S:-240} python3 scripts/ab_bwd.py --variants "$AB_BWD" --headdims 64,128 --seqlens 2048,8192
 fi
 if [ -n "${AB:-}" ]; then
   step ab_fwd ${BENCH_S:-240} python3 scripts/ab_fwd.py --variants "$AB" --toggle none --headdims 64,128,256 \
@@ -44,7 +50,12 @@ case "${BENCH:-quick}" in
   *) step bench ${BENCH_S:-240} python3 -m flash_ext.benchmark --quick --mode fwd --out "$out" --no-progress ;;
 esac
 if [ "${BWD_BENCH:-0}" != 0 ]; then
-  step bench_bwd ${BENCH_S:-240} python3 -m flash_ext.benchmark --mode bwd --headdims 64,128 --seqlens 8k --causal both \
+  step bench_bwd ${BENCH_S:-240} python3 -m flash_ext.benchmark --mode bwd --headdims 64,128,256 --seqlens 8k --causal both \
     --out "$out" --name bench_bwd --no-progress
 fi
+if [ "${MEMCHECK:-0}" != 0 ]; then
+  step memcheck_bwd ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_bwd.py
+fi
+# The device tool returns at most 8 files: everything but the summary travels in one archive.
+(cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude=summary.txt . && find . -type f ! -name logs.tgz ! -name summary.txt -delete)
 exit $status

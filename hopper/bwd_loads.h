@@ -1,0 +1,164 @@
+// The backward's producer collective, shared by both consumer layouts (mainloop_bwd.h,
+// mainloop_bwd_headsplit.h): K and V of the CTA's block once (one transaction barrier); then per query
+// block Q, and dO with its dPsum (from the preprocess kernel), through two kStages-deep TMA pipelines.
+// It owns those buffers, their TMA descriptors and barriers, and the list of query blocks a CTA walks.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "flash.h"
+#include "layouts.h"
+
+namespace flash {
+
+using namespace cute;
+
+// The query blocks a backward CTA walks: for each query head of its K/V head's group, one head after the
+// other, the blocks [m_block_min, m_block_min + num_m_blocks).
+struct BwdWork {
+  int n_block, kv_head, batch;
+  int group;  // query heads per K/V head
+  int m_block_min, num_m_blocks;
+  __device__ __forceinline__ int count() const { return group * num_m_blocks; }
+  __device__ __forceinline__ int head(int i) const { return kv_head * group + i / num_m_blocks; }
+  __device__ __forceinline__ int m_block(int i) const { return m_block_min + i % num_m_blocks; }
+};
+
+// SmemLayoutQ: (kBlockM, head dim, kStages), for Q and dO; SmemLayoutK: (kBlockN, head dim), for K and V.
+template <class Element, int kBlockM, int kBlockN, int kHeadDim, int kStages, int kNumMmaThreads, class SmemLayoutQ,
+          class SmemLayoutK>
+struct BwdLoads {
+  using SmemLayoutRowStats = Layout<Shape<Int<kBlockM>, Int<kStages>>>;  // dPsum per query
+  using PipelineQ = cutlass::PipelineTmaAsync<kStages>;                   // Q, and dO + dPsum
+  using PipelineState = typename PipelineQ::PipelineState;
+  using BarrierKV = cutlass::arch::ClusterTransactionBarrier;
+
+  struct TensorStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_do;
+    alignas(128) float smem_dpsum[kBlockM * kStages];
+  };
+  struct BarrierStorage {
+    alignas(16) BarrierKV barrier_kv;
+    alignas(16) typename PipelineQ::SharedStorage pipeline_q;
+    alignas(16) typename PipelineQ::SharedStorage pipeline_do;
+  };
+
+  static constexpr uint32_t kTmaBytesKV = uint32_t(cosize_v<SmemLayoutK> * sizeof(Element));
+  static constexpr uint32_t kRowStatBytes = uint32_t(kBlockM * sizeof(float));
+  static constexpr uint32_t kTmaBytesQ = uint32_t(size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element));
+  static constexpr uint32_t kTmaBytesdO = kTmaBytesQ + kRowStatBytes;  // dO and its dPsum
+
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using GmemTensor = decltype(make_gmem_bshd(static_cast<Element const*>(nullptr), GmemShape{}, 0, 0, 0));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, TileK{}, _1{}));
+
+  struct Params {
+    GmemShape shape_q, shape_k;  // dO has q's shape, V k's
+    TmaQ tma_q, tma_do;
+    TmaKV tma_k, tma_v;
+    float const* lse;    // (batch, nheads, seqlen_q): the forward's; the consumers read it
+    float const* dpsum;  // (batch, nheads, seqlen_q_rounded): the preprocess kernel's
+    int seqlen_q, seqlen_k, seqlen_q_rounded, nheads;
+    float softmax_scale_log2;
+  };
+
+  static Params to_params(BwdParams const& p, float const* dpsum, int seqlen_q_rounded) {
+    GmemShape const shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
+    GmemShape const shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_kv, p.batch);
+    return {shape_q,
+            shape_k,
+            make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.q, shape_q), take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.dout, shape_q), take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.k, shape_k), SmemLayoutK{}, TileK{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.v, shape_k), SmemLayoutK{}, TileK{}, _1{}),
+            p.lse,
+            dpsum,
+            p.seqlen_q,
+            p.seqlen_k,
+            seqlen_q_rounded,
+            p.nheads,
+            float(p.softmax_scale * M_LOG2E)};
+  }
+
+  __device__ static void prefetch_descriptors(Params const& params) {
+    prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+
+  // Called by one thread before the CTA-wide barrier that publishes the barriers.
+  __device__ static void init_barriers(BarrierStorage& barriers) { barriers.barrier_kv.init(/*arrive_count=*/1); }
+
+  __device__ static typename PipelineQ::Params pipeline_params(uint32_t transaction_bytes, bool is_producer_warpgroup,
+                                                               bool is_leader) {
+    typename PipelineQ::Params pipeline_params;
+    pipeline_params.transaction_bytes = transaction_bytes;
+    pipeline_params.role = is_producer_warpgroup ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
+    pipeline_params.is_leader = is_leader;
+    pipeline_params.num_consumers = kNumMmaThreads;
+    return pipeline_params;
+  }
+
+  // One thread of the producer warp.
+  __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers, PipelineQ& pipeline_q,
+                              PipelineQ& pipeline_do, BwdWork const& work) {
+    Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(tensors.smem_v.data()), SmemLayoutK{});
+    Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(tensors.smem_do.data()), SmemLayoutQ{});
+
+    Tensor gK = local_tile(params.tma_k.get_tma_tensor(params.shape_k)(_, _, work.kv_head, work.batch), TileK{},
+                           make_coord(work.n_block, _0{}));
+    Tensor gV = local_tile(params.tma_v.get_tma_tensor(params.shape_k)(_, _, work.kv_head, work.batch), TileK{},
+                           make_coord(work.n_block, _0{}));
+    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    using BarrierType = typename BarrierKV::ValueType;
+    barriers.barrier_kv.arrive_and_expect_tx(2 * kTmaBytesKV);
+    copy(params.tma_k.with(reinterpret_cast<BarrierType&>(barriers.barrier_kv), 0), tKgK, tKsK);
+    copy(params.tma_v.with(reinterpret_cast<BarrierType&>(barriers.barrier_kv), 0), tVgV, tVsV);
+
+    PipelineState write_state = cutlass::make_producer_start_state<PipelineQ>();
+    for (int i = 0; i < work.count(); ++i) {
+      int const head = work.head(i);
+      int const m_block = work.m_block(i);
+      Tensor gQ = local_tile(params.tma_q.get_tma_tensor(params.shape_q)(_, _, head, work.batch), TileQ{}, make_coord(m_block, _0{}));
+      Tensor gdO = local_tile(params.tma_do.get_tma_tensor(params.shape_q)(_, _, head, work.batch), TileQ{}, make_coord(m_block, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      int64_t const row_stats = (int64_t(work.batch) * params.nheads + head) * params.seqlen_q_rounded + m_block * kBlockM;
+      int const stage = write_state.index();
+
+      pipeline_q.producer_acquire(write_state);
+      copy(params.tma_q.with(*pipeline_q.producer_get_barrier(write_state), 0), tQgQ, tQsQ(_, stage));
+
+      pipeline_do.producer_acquire(write_state);
+      BarrierType* barrier_do = pipeline_do.producer_get_barrier(write_state);
+      copy(params.tma_do.with(*barrier_do, 0), tdOgdO, tdOsdO(_, stage));
+      SM90_BULK_COPY_G2S::copy(params.dpsum + row_stats, barrier_do, tensors.smem_dpsum + stage * kBlockM, kRowStatBytes);
+      ++write_state;
+    }
+  }
+
+  __device__ static void wait_kv(BarrierStorage& barriers) { barriers.barrier_kv.wait(0); }
+
+  // The LSE of query `query` of head `head` in the log2 domain; +inf where P must be 0: queries that see
+  // no key (LSE = -inf) and rows past seqlen_q.
+  __device__ static float lse_log2(Params const& params, int batch, int head, int query) {
+    float const value = query < params.seqlen_q ? params.lse[(int64_t(batch) * params.nheads + head) * params.seqlen_q + query]
+                                                : -INFINITY;
+    return value == -INFINITY ? INFINITY : value * float(M_LOG2E);
+  }
+};
+
+}  // namespace flash
