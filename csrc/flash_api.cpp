@@ -125,6 +125,7 @@ void mha_bwd_out(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& 
   params.dv = strided(dv);
   set_sizes(params, s, softmax_scale);
   params.deterministic = deterministic;
+  params.dq_scratch_bytes = dq.is_contiguous() ? int64_t(dq.nbytes()) : 0;
   at::Tensor const workspace = at::empty({int64_t(kernel.workspace_bytes(params))}, q.options().dtype(at::kByte));
   params.workspace = workspace.data_ptr();
   kernel.launch(params, c10::cuda::getCurrentCUDAStream(device.index()).stream());

@@ -1,6 +1,8 @@
 // The backward's producer collective, shared by both consumer layouts (mainloop_bwd.h,
 // mainloop_bwd_headsplit.h): K and V of the CTA's block once (one transaction barrier); then per query
-// block Q, and dO with its dPsum (from the preprocess kernel), through two kStages-deep TMA pipelines.
+// block Q with its LSE_log2, and dO with its dPsum (both from the preprocess kernel), through two
+// kStages-deep TMA pipelines. (Consumers reading the forward's LSE from global memory instead measured
+// 20-30% slower: perf-notes section 9.)
 // It owns those buffers, their TMA descriptors and barriers, and the list of query blocks a CTA walks.
 #pragma once
 
@@ -32,8 +34,8 @@ struct BwdWork {
 template <class Element, int kBlockM, int kBlockN, int kHeadDim, int kStages, int kNumMmaThreads, class SmemLayoutQ,
           class SmemLayoutK>
 struct BwdLoads {
-  using SmemLayoutRowStats = Layout<Shape<Int<kBlockM>, Int<kStages>>>;  // dPsum per query
-  using PipelineQ = cutlass::PipelineTmaAsync<kStages>;                   // Q, and dO + dPsum
+  using SmemLayoutRowStats = Layout<Shape<Int<kBlockM>, Int<kStages>>>;  // LSE_log2, dPsum per query
+  using PipelineQ = cutlass::PipelineTmaAsync<kStages>;                   // Q + LSE_log2, and dO + dPsum
   using PipelineState = typename PipelineQ::PipelineState;
   using BarrierKV = cutlass::arch::ClusterTransactionBarrier;
 
@@ -42,6 +44,7 @@ struct BwdLoads {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_do;
+    alignas(128) float smem_lse[kBlockM * kStages];
     alignas(128) float smem_dpsum[kBlockM * kStages];
   };
   struct BarrierStorage {
@@ -52,8 +55,8 @@ struct BwdLoads {
 
   static constexpr uint32_t kTmaBytesKV = uint32_t(cosize_v<SmemLayoutK> * sizeof(Element));
   static constexpr uint32_t kRowStatBytes = uint32_t(kBlockM * sizeof(float));
-  static constexpr uint32_t kTmaBytesQ = uint32_t(size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element));
-  static constexpr uint32_t kTmaBytesdO = kTmaBytesQ + kRowStatBytes;  // dO and its dPsum
+  static constexpr uint32_t kTmaBytesQ = uint32_t(size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element)) + kRowStatBytes;
+  static constexpr uint32_t kTmaBytesdO = kTmaBytesQ;  // dO and its dPsum: the same sizes
 
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
@@ -65,13 +68,13 @@ struct BwdLoads {
     GmemShape shape_q, shape_k;  // dO has q's shape, V k's
     TmaQ tma_q, tma_do;
     TmaKV tma_k, tma_v;
-    float const* lse;    // (batch, nheads, seqlen_q): the forward's; the consumers read it
-    float const* dpsum;  // (batch, nheads, seqlen_q_rounded): the preprocess kernel's
+    float const* lse_log2;  // (batch, nheads, seqlen_q_rounded): the preprocess kernel's
+    float const* dpsum;     // likewise
     int seqlen_q, seqlen_k, seqlen_q_rounded, nheads;
     float softmax_scale_log2;
   };
 
-  static Params to_params(BwdParams const& p, float const* dpsum, int seqlen_q_rounded) {
+  static Params to_params(BwdParams const& p, float const* lse_log2, float const* dpsum, int seqlen_q_rounded) {
     GmemShape const shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
     GmemShape const shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_kv, p.batch);
     return {shape_q,
@@ -80,7 +83,7 @@ struct BwdLoads {
             make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.dout, shape_q), take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.k, shape_k), SmemLayoutK{}, TileK{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.v, shape_k), SmemLayoutK{}, TileK{}, _1{}),
-            p.lse,
+            lse_log2,
             dpsum,
             p.seqlen_q,
             p.seqlen_k,
@@ -140,7 +143,9 @@ struct BwdLoads {
       int const stage = write_state.index();
 
       pipeline_q.producer_acquire(write_state);
-      copy(params.tma_q.with(*pipeline_q.producer_get_barrier(write_state), 0), tQgQ, tQsQ(_, stage));
+      BarrierType* barrier_q = pipeline_q.producer_get_barrier(write_state);
+      copy(params.tma_q.with(*barrier_q, 0), tQgQ, tQsQ(_, stage));
+      SM90_BULK_COPY_G2S::copy(params.lse_log2 + row_stats, barrier_q, tensors.smem_lse + stage * kBlockM, kRowStatBytes);
 
       pipeline_do.producer_acquire(write_state);
       BarrierType* barrier_do = pipeline_do.producer_get_barrier(write_state);
@@ -152,13 +157,6 @@ struct BwdLoads {
 
   __device__ static void wait_kv(BarrierStorage& barriers) { barriers.barrier_kv.wait(0); }
 
-  // The LSE of query `query` of head `head` in the log2 domain; +inf where P must be 0: queries that see
-  // no key (LSE = -inf) and rows past seqlen_q.
-  __device__ static float lse_log2(Params const& params, int batch, int head, int query) {
-    float const value = query < params.seqlen_q ? params.lse[(int64_t(batch) * params.nheads + head) * params.seqlen_q + query]
-                                                : -INFINITY;
-    return value == -INFINITY ? INFINITY : value * float(M_LOG2E);
-  }
 };
 
 }  // namespace flash

@@ -1,6 +1,8 @@
 // Backward preprocess kernel, per query row: dPsum = rowsum(dO * O) in fp32, minus dLSE when the loss
-// also depends on the LSE (dL/dS gains dLSE * P: the same form as the dPsum term). The padding rows up to a
-// whole query block get 0, so the main kernel loads whole blocks.
+// also depends on the LSE (dL/dS gains dLSE * P: the same form as the dPsum term); LSE into the log2
+// domain. The padding rows up to a whole query block are written too (the main kernel loads whole
+// blocks): there, and for rows that see no key (LSE = -inf), LSE_log2 = +inf, so that the main kernel's
+// P = exp2(S * scale_log2 - LSE_log2) is exactly 0.
 #pragma once
 
 #include <cmath>
@@ -23,8 +25,10 @@ struct BwdPreprocess {
 
   struct Params {
     StridedTensor o, dout;
-    float const* dlse;  // (batch, nheads, seqlen_q), or nullptr
-    float* dpsum;       // (batch, nheads, seqlen_q_rounded)
+    float const* lse;   // (batch, nheads, seqlen_q)
+    float const* dlse;  // likewise, or nullptr
+    float* lse_log2;    // (batch, nheads, seqlen_q_rounded)
+    float* dpsum;       // likewise
     int seqlen_q, seqlen_q_rounded, nheads, headdim;
   };
 
@@ -51,8 +55,13 @@ struct BwdPreprocess {
       CUTLASS_PRAGMA_UNROLL
       for (int offset = 16; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffffu, dot, offset); }
       if (lane == 0) {
-        float dpsum = 0.f;
-        if (row < params.seqlen_q) { dpsum = dot - (params.dlse != nullptr ? params.dlse[lse_row0 + row] : 0.f); }
+        float lse_log2 = INFINITY, dpsum = 0.f;
+        if (row < params.seqlen_q) {
+          float const lse = params.lse[lse_row0 + row];
+          lse_log2 = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+          dpsum = dot - (params.dlse != nullptr ? params.dlse[lse_row0 + row] : 0.f);
+        }
+        params.lse_log2[stats_row0 + row] = lse_log2;
         params.dpsum[stats_row0 + row] = dpsum;
       }
     }

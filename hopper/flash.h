@@ -33,6 +33,9 @@ struct BwdParams {
   StridedTensor dq, dk, dv;
   // Workspace of workspace_bytes(), allocated by the caller; the launcher carves and clears it.
   void* workspace;
+  // Bytes of dq's memory the launcher may borrow as scratch until the postprocess writes dq: dq's size when
+  // it is one contiguous block, else 0.
+  int64_t dq_scratch_bytes;
   int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
   int headdim;
   float softmax_scale;

@@ -1,9 +1,7 @@
 // The backward mainloop collective for head dims up to 128. A CTA owns one K/V block (kBlockN keys of one
 // K/V head; 64 keys per consumer warpgroup) and walks the query blocks that see it (BwdWork), for every
 // query head of the K/V head's group, so dK and dV are summed over the group in registers. The producer
-// side (Q, dO, dPsum, K, V loads) is BwdLoads (bwd_loads.h). The consumers read the forward's LSE straight
-// from global memory (16 values a thread per block, issued under the first GEMMs), which saves the
-// workspace a log2-domain copy would take.
+// side (K, V, Q + LSE_log2, dO + dPsum loads) is BwdLoads (bwd_loads.h).
 //
 // Consumers, per query block, with the operands swapped so that the products the dK/dV GEMMs need come
 // out of the GEMMs already in the layout of a register A operand:
@@ -101,6 +99,7 @@ struct BwdMainloop {
     Tensor sdOt = make_tensor(make_smem_ptr(loaded.smem_do.data()), SmemLayoutdOt{});
     Tensor sdS = make_tensor(make_smem_ptr(tensors.smem_ds.data()), SmemLayoutdS{});
     Tensor sdSt = make_tensor(make_smem_ptr(tensors.smem_ds.data()), SmemLayoutdSt{});
+    Tensor sLSE = make_tensor(make_smem_ptr(loaded.smem_lse), typename Loads::SmemLayoutRowStats{});
     Tensor sdPsum = make_tensor(make_smem_ptr(loaded.smem_dpsum), typename Loads::SmemLayoutRowStats{});
 
     TiledMmaSdP tiled_mma_sdp;
@@ -154,20 +153,16 @@ struct BwdMainloop {
       warpgroup_gemm<-1>(tiled_mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS, /*zero_init=*/true);
       pipeline_do.consumer_wait(read_state);
       warpgroup_gemm<-1>(tiled_mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP, /*zero_init=*/true);
-      float lse_log2[kCols];  // of this thread's queries, loaded while the GEMMs run
-      CUTLASS_PRAGMA_UNROLL
-      for (int ni = 0; ni < kCols; ++ni) {
-        lse_log2[ni] = Loads::lse_log2(params, work.batch, work.head(i), m_block * kBlockM + query_of_col(ni));
-      }
       warpgroup_wait<1>();  // S^T is ready; dP^T still runs
       warpgroup_fence_operand(tSrS);
       if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, work.n_block); }
       Tensor scores = make_rowcol_view(tSrS);  // (keys, queries)
       CUTLASS_PRAGMA_UNROLL
       for (int ni = 0; ni < kCols; ++ni) {
+        float const lse_log2 = sLSE(query_of_col(ni), stage);
         CUTLASS_PRAGMA_UNROLL
         for (int mi = 0; mi < size<0>(scores); ++mi) {
-          scores(mi, ni) = exp2f(scores(mi, ni) * params.softmax_scale_log2 - lse_log2[ni]);
+          scores(mi, ni) = exp2f(scores(mi, ni) * params.softmax_scale_log2 - lse_log2);
         }
       }
       convert_into(tSrS, tSrP16);

@@ -97,6 +97,7 @@ struct BwdMainloopHeadSplit {
     Tensor sQt = make_tensor(make_smem_ptr(loaded.smem_q.data()), SmemLayoutQt{});
     Tensor sdO = make_tensor(make_smem_ptr(loaded.smem_do.data()), SmemLayoutdO{});
     Tensor sdOt = make_tensor(make_smem_ptr(loaded.smem_do.data()), SmemLayoutdOt{});
+    Tensor sLSE = make_tensor(make_smem_ptr(loaded.smem_lse), typename Loads::SmemLayoutRowStats{});
     Tensor sdPsum = make_tensor(make_smem_ptr(loaded.smem_dpsum), typename Loads::SmemLayoutRowStats{});
     Tensor sP = make_tensor(make_smem_ptr(tensors.smem_p.data()), SmemLayoutP{});
     Tensor sPt = make_tensor(make_smem_ptr(tensors.smem_p.data()), SmemLayoutPt{});
@@ -156,20 +157,16 @@ struct BwdMainloopHeadSplit {
       warpgroup_gemm<-1>(tiled_mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS, /*zero_init=*/true);
       pipeline_do.consumer_wait(read_state);
       warpgroup_gemm<-1>(tiled_mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP, /*zero_init=*/true);
-      float lse_log2[kRows];
-      CUTLASS_PRAGMA_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        lse_log2[mi] = Loads::lse_log2(params, work.batch, work.head(i), m_block * kBlockM + query_of_row(mi));
-      }
       warpgroup_wait<1>();  // S is ready; dP still runs
       warpgroup_fence_operand(tSrS);
       if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, work.n_block); }
       Tensor scores = make_rowcol_view(tSrS);  // (queries, keys)
       CUTLASS_PRAGMA_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
+        float const lse_log2 = sLSE(query_of_row(mi), stage);
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < size<1>(scores); ++ni) {
-          scores(mi, ni) = exp2f(scores(mi, ni) * params.softmax_scale_log2 - lse_log2[mi]);
+          scores(mi, ni) = exp2f(scores(mi, ni) * params.softmax_scale_log2 - lse_log2);
         }
       }
       convert_into(tSrS, tSrP16);
