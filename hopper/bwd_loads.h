@@ -14,6 +14,7 @@
 
 #include "flash.h"
 #include "layouts.h"
+#include "mask.h"
 
 namespace flash {
 
@@ -28,6 +29,23 @@ struct BwdWork {
   __device__ __forceinline__ int count() const { return group * num_m_blocks; }
   __device__ __forceinline__ int head(int i) const { return kv_head * group + i / num_m_blocks; }
   __device__ __forceinline__ int m_block(int i) const { return m_block_min + i % num_m_blocks; }
+
+  // Calls step(i, masked) for every query block in order; masked is cute::true_type for the blocks whose
+  // scores need the mask (the causal diagonal or the end of the keys crosses them), so the consumers
+  // compile one masked and one unmasked path.
+  template <int kBlockM, int kBlockN, bool kIsCausal, class Step>
+  __device__ __forceinline__ void for_each_block(int seqlen_q, int seqlen_k, Step&& step) const {
+    using Blocks = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    bool const partial_n_block = (n_block + 1) * kBlockN > seqlen_k;
+    int const m_block_causal_end = kIsCausal ? Blocks::m_block_causal_end(n_block, seqlen_q, seqlen_k) : 0;
+    for (int i = 0; i < count(); ++i) {
+      if (partial_n_block || (kIsCausal && m_block(i) < m_block_causal_end)) {
+        step(i, cute::true_type{});
+      } else {
+        step(i, cute::false_type{});
+      }
+    }
+  }
 };
 
 // SmemLayoutQ: (kBlockM, head dim, kStages), for Q and dO; SmemLayoutK: (kBlockN, head dim), for K and V.

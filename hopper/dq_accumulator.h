@@ -3,10 +3,9 @@
 // postprocess kernel scales and converts to dq.
 //
 // Two ways in, by what shared memory allows:
-// - staged (consumer_store): the consumers stage their fragments in shared memory, in two buffers used in
-//   turn; one warp of the producer warpgroup adds each staged block to global memory with a bulk
-//   reduce-add (cp.reduce.async.bulk .add.f32), so the consumers wait neither on global memory nor on the
-//   writer while the other buffer is free;
+// - staged (consumer_store): the consumers stage their fragments in shared memory (kBuffers buffers used
+//   in turn); one warp of the producer warpgroup adds each staged block to global memory with a bulk
+//   reduce-add (cp.reduce.async.bulk .add.f32), so the consumers never wait on global memory;
 // - from registers (consumer_add): atomic float4 adds straight from the consumers' registers, where no
 //   shared memory is left for staging (d256).
 // The accumulator keeps the fragment order: value v of consumer thread t lands at float
@@ -32,7 +31,7 @@ using namespace cute;
 template <int kBlockM, int kHeadDim, int kNumMmaThreads>
 struct DqAccumulator {
   static constexpr int kBlockFloats = kBlockM * kHeadDim;
-  static constexpr int kBuffers = 2;
+  static constexpr int kBuffers = 1;  // 2 measured no faster (perf-notes section 12)
   static constexpr uint32_t kBarrierThreads = kNumMmaThreads + cutlass::NumThreadsPerWarp;  // + the writer warp
 
   struct TensorStorage {

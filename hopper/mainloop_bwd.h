@@ -7,8 +7,8 @@
 // out of the GEMMs already in the layout of a register A operand:
 //   S^T = K Q^T and dP^T = V dO^T (SS-GMMA, issued together);
 //   P^T = exp2(S^T * scale_log2 - LSE_log2) while dP^T runs (no second online softmax: the forward's LSE
-//   normalises), then dV += P^T dO (RS-GMMA, P^T from registers, dO read MN-major);
-//   dS^T = P^T * (dP^T - dPsum) while dV runs, then dK += dS^T Q (RS-GMMA);
+//   normalises); dS^T = P^T * (dP^T - dPsum);
+//   dV += P^T dO and dK += dS^T Q (RS-GMMA: P^T, dS^T from registers, dO and Q read MN-major);
 //   dS^T -> shared memory, then dQ = dS K (SS-GMMA, both operands MN-major; the warpgroups split the head
 //   dim), handed to the dQ accumulator (dq_accumulator.h).
 // dK is scaled by the softmax scale once after the loop (by the kernel); dQ by the postprocess kernel.
@@ -89,7 +89,6 @@ struct BwdMainloop {
   __device__ static void mma(typename Loads::Params const& params, typename Loads::TensorStorage& loaded, TensorStorage& tensors,
                              PipelineQ& pipeline_q, PipelineQ& pipeline_do, BwdWork const& work, int thread_idx,
                              FragdKV& tdKrdK, FragdKV& tdVrdV, StoreDq&& store_dq) {
-    using Blocks = BlockRange<kBlockM, kBlockN, kIsCausal>;
     Tensor sK = make_tensor(make_smem_ptr(loaded.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(loaded.smem_v.data()), SmemLayoutV{});
     Tensor sKt = make_tensor(make_smem_ptr(loaded.smem_k.data()), SmemLayoutKt{});
@@ -140,8 +139,6 @@ struct BwdMainloop {
     auto query_of_col = [&](int ni) { return int(get<1>(coords_rc(0, ni))); };
 
     Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP, /*kKeysInRows=*/true> mask(thread_idx, params.seqlen_q, params.seqlen_k);
-    bool const partial_n_block = (work.n_block + 1) * kBlockN > params.seqlen_k;
-    int const m_block_causal_end = kIsCausal ? Blocks::m_block_causal_end(work.n_block, params.seqlen_q, params.seqlen_k) : 0;
 
     PipelineState read_state;  // Q and dO advance together
     bool zero_init_dkv = true;
@@ -166,8 +163,7 @@ struct BwdMainloop {
         }
       }
       convert_into(tSrS, tSrP16);
-      warpgroup_gemm<-1>(tiled_mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV, zero_init_dkv);
-      warpgroup_wait<1>();  // dP^T is ready; dV still runs
+      warpgroup_wait<0>();  // dP^T is ready
       warpgroup_fence_operand(tdPrdP);
       Tensor dP = make_rowcol_view(tdPrdP);
       CUTLASS_PRAGMA_UNROLL
@@ -177,6 +173,9 @@ struct BwdMainloop {
         for (int mi = 0; mi < size<0>(dP); ++mi) { dP(mi, ni) = scores(mi, ni) * (dP(mi, ni) - dpsum); }
       }
       convert_into(tdPrdP, tdPrdS16);
+      // dV's GEMM is issued only now: issued before the dP^T wait, to overlap the dS math, it measured
+      // 2-6% slower (perf-notes section 12).
+      warpgroup_gemm<-1>(tiled_mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV, zero_init_dkv);
       copy(smem_tiled_copy_ds, tdSrdS_copy, tdSsdS);  // sdS is free: both warpgroups are past the last dQ GEMM
       warpgroup_gemm<-1>(tiled_mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK, zero_init_dkv);
       zero_init_dkv = false;
@@ -194,13 +193,7 @@ struct BwdMainloop {
       store_dq(tdQrdQ, i);
     };
 
-    for (int i = 0; i < work.count(); ++i) {
-      if (partial_n_block || (kIsCausal && work.m_block(i) < m_block_causal_end)) {
-        step(i, cute::true_type{});
-      } else {
-        step(i, cute::false_type{});
-      }
-    }
+    work.template for_each_block<kBlockM, kBlockN, kIsCausal>(params.seqlen_q, params.seqlen_k, step);
     if (work.count() == 0) {  // no query sees these keys: dK = dV = 0
       clear(tdKrdK);
       clear(tdVrdV);

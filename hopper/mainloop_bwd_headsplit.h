@@ -141,10 +141,7 @@ struct BwdMainloopHeadSplit {
     constexpr int kRows = decltype(size<0>(coords_rc))::value;
     auto query_of_row = [&](int mi) { return int(get<0>(coords_rc(mi, 0))); };
 
-    using Blocks = BlockRange<kBlockM, kBlockN, kIsCausal>;
     Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP> mask(thread_idx, params.seqlen_q, params.seqlen_k);
-    bool const partial_n_block = (work.n_block + 1) * kBlockN > params.seqlen_k;
-    int const m_block_causal_end = kIsCausal ? Blocks::m_block_causal_end(work.n_block, params.seqlen_q, params.seqlen_k) : 0;
 
     PipelineState read_state;  // Q and dO advance together
     bool zero_init_dkv = true;
@@ -200,13 +197,7 @@ struct BwdMainloopHeadSplit {
       store_dq(tdQrdQ, i);
     };
 
-    for (int i = 0; i < work.count(); ++i) {
-      if (partial_n_block || (kIsCausal && work.m_block(i) < m_block_causal_end)) {
-        step(i, cute::true_type{});
-      } else {
-        step(i, cute::false_type{});
-      }
-    }
+    work.template for_each_block<kBlockM, kBlockN, kIsCausal>(params.seqlen_q, params.seqlen_k, step);
     if (work.count() == 0) {  // no query sees these keys: dK = dV = 0
       clear(tdKrdK);
       clear(tdVrdV);
