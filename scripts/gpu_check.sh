@@ -57,5 +57,6 @@ if [ "${MEMCHECK:-0}" != 0 ]; then
   step memcheck_bwd ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_bwd.py
 fi
 # The device tool returns at most 8 files: everything but the summary travels in one archive.
-(cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude=summary.txt . && find . -type f ! -name logs.tgz ! -name summary.txt -delete)
+archive=$(mktemp /tmp/gpu_check_logs.XXXXXX.tgz)
+(cd "$out" && tar czf "$archive" --exclude=summary.txt . && find . -type f ! -name summary.txt -delete && mv "$archive" logs.tgz)
 exit $status
