@@ -3,7 +3,7 @@
 Build switches (environment variables), so a developer can rebuild one kernel in minutes:
 
   FLASH_EXT_HEADDIMS   comma list of kernel head dims to compile, from 64,96,128,192,256 (default: all)
-  FLASH_EXT_DTYPES     comma list from fp16,bf16 (default: both)
+  FLASH_EXT_DTYPES     comma list from fp16,bf16,e4m3 (default: all; e4m3 = FP8, forward only)
   FLASH_EXT_CAUSAL     comma list from 0,1: non-causal and/or causal kernels (default: both)
   FLASH_EXT_BACKWARD   1/0: compile the backward kernels (default 1)
   FLASH_EXT_PTXAS_V    1: print ptxas resource usage (registers, spills, smem) for every kernel

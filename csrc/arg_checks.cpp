@@ -47,11 +47,18 @@ std::string tuple_str(at::IntArrayRef v) {
   return s.str();
 }
 
-void check_rank_and_dtype(at::Tensor const& t, char const* name, char const* op) {
+void check_rank_and_dtype(at::Tensor const& t, char const* name, char const* op, bool allow_fp8) {
   TORCH_CHECK_VALUE(t.dim() == 4, name, " must have 4 dims (batch, seqlen, nheads, headdim), got ", t.dim(),
                     " dims with shape ", tuple_str(t.sizes()));
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, name, " has dtype ",
-                   torch_name(t.scalar_type()), "; ", op, " supports torch.float16 and torch.bfloat16");
+  at::ScalarType const dtype = t.scalar_type();
+  if (allow_fp8) {
+    TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat8_e4m3fn, name, " has dtype ",
+                     torch_name(dtype), "; ", op, " supports torch.float16, torch.bfloat16 and torch.float8_e4m3fn");
+  } else {
+    TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, name, " has dtype ", torch_name(dtype), "; ", op,
+                     " supports torch.float16 and torch.bfloat16",
+                     dtype == at::kFloat8_e4m3fn ? " (FP8 is forward-only)" : "");
+  }
 }
 
 void check_layout(at::Tensor const& t, char const* name) {
@@ -104,10 +111,10 @@ int kernel_headdim(int64_t headdim, Direction direction) {
 }
 
 AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale,
-                         char const* op) {
-  check_rank_and_dtype(q, "q", op);
-  check_rank_and_dtype(k, "k", op);
-  check_rank_and_dtype(v, "v", op);
+                         char const* op, bool allow_fp8) {
+  check_rank_and_dtype(q, "q", op, allow_fp8);
+  check_rank_and_dtype(k, "k", op, allow_fp8);
+  check_rank_and_dtype(v, "v", op, allow_fp8);
   TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
                    "q, k, v must share one dtype, got q ", torch_name(q.scalar_type()), ", k ", torch_name(k.scalar_type()),
                    ", v ", torch_name(v.scalar_type()));
@@ -126,6 +133,9 @@ AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor co
                     " is not supported: it must be a multiple of 8 in [8, ", kMaxHeadDim, "] (kernels for ",
                     tuple_str(at::IntArrayRef(std::vector<int64_t>(std::begin(kFwdHeadDims), std::end(kFwdHeadDims)))),
                     "; others run on the next size up)");
+  // TMA rows are whole multiples of 16 bytes.
+  TORCH_CHECK_VALUE(q.scalar_type() != at::kFloat8_e4m3fn || s.headdim % 16 == 0, "head dim ", s.headdim,
+                    " is not supported for FP8: it must be a multiple of 16 (16-byte rows)");
   // The kernels index rows, tiles and heads with 32-bit integers (tiles of at least 64 rows).
   TORCH_CHECK_VALUE(s.seqlen_q < (int64_t(1) << 31) && s.seqlen_k < (int64_t(1) << 31) &&
                         s.batch * s.nheads * ((std::max(s.seqlen_q, s.seqlen_k) + 63) / 64) < (int64_t(1) << 31),
@@ -139,7 +149,7 @@ AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor co
   return s;
 }
 
-void check_on_gpu(std::initializer_list<std::pair<at::Tensor const*, char const*>> tensors, char const* op) {
+void check_on_gpu(std::vector<std::pair<at::Tensor const*, char const*>> const& tensors, char const* op) {
   at::Tensor const& first = *tensors.begin()->first;
   for (auto const& [t, name] : tensors) {
     TORCH_CHECK_VALUE(t->is_cuda(), name, " is on ", t->device().str(), "; ", op, " needs CUDA tensors on an sm_90 GPU");
@@ -158,6 +168,15 @@ void check_tensor_like(at::Tensor const& t, char const* name, at::IntArrayRef si
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have the dtype of ", like, " (", torch_name(dtype), "), got ",
                    torch_name(t.scalar_type()));
   check_layout(t, name);
+}
+
+void check_descale(at::Tensor const& t, char const* name, AttentionShape const& s, at::ScalarType qkv_dtype) {
+  TORCH_CHECK_VALUE(qkv_dtype == at::kFloat8_e4m3fn, name, " is only for FP8 (torch.float8_e4m3fn) q, k, v; got ",
+                    torch_name(qkv_dtype), " inputs");
+  std::vector<int64_t> const sizes{s.batch, s.nheads_kv};
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(sizes), name, " must have shape (batch, nheads_kv) = ", tuple_str(sizes),
+                    ", got ", tuple_str(t.sizes()));
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be torch.float32, got ", torch_name(t.scalar_type()));
 }
 
 void check_lse(at::Tensor const& t, char const* name, AttentionShape const& s) {

@@ -7,7 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <initializer_list>
+#include <vector>
 #include <utility>
 
 namespace flash_api {
@@ -22,9 +22,13 @@ struct AttentionShape {
 };
 
 // q, k, v as the kernels need them (all but their device: check_on_gpu); `op` names the public function in
-// messages (e.g. "flash_ext.forward").
+// messages (e.g. "flash_ext.forward"). fp16 and bf16, and with allow_fp8 (the forward) float8_e4m3fn.
 AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale,
-                         char const* op);
+                         char const* op, bool allow_fp8 = false);
+
+// An FP8 descale factor (q_descale, k_descale or v_descale): float32 (batch, nheads_kv), any strides; only
+// with FP8 q, k, v.
+void check_descale(at::Tensor const& t, char const* name, AttentionShape const& s, at::ScalarType qkv_dtype);
 
 // A tensor the op reads or writes beside q, k, v: `name` must have exactly `sizes` and `dtype` and (for TMA)
 // the strided layout rules of q, k, v; `like` names what it must match in messages.
@@ -36,7 +40,7 @@ void check_lse(at::Tensor const& t, char const* name, AttentionShape const& s);
 
 // Last, so that shape and dtype errors are reported for CPU tensors too: every tensor on one CUDA
 // device, an sm_90 one.
-void check_on_gpu(std::initializer_list<std::pair<at::Tensor const*, char const*>> tensors, char const* op);
+void check_on_gpu(std::vector<std::pair<at::Tensor const*, char const*>> const& tensors, char const* op);
 
 // The stride the TMA descriptor gets for a dim: a dim of size 1 is never stepped, so any stride will do.
 int64_t tma_stride(at::Tensor const& t, int dim);

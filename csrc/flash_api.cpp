@@ -48,7 +48,15 @@ int env_override(char const* name) {
   return value[0] == '0' ? 0 : 1;
 }
 
-char const* dtype_name(at::ScalarType dtype) { return dtype == at::kBFloat16 ? "bf16" : "fp16"; }
+// The registry's names (hopper/kernel_registry.h).
+char const* dtype_name(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? "bf16" : dtype == at::kFloat8_e4m3fn ? "e4m3" : "fp16";
+}
+
+flash::DescaleTensor descale_tensor(std::optional<at::Tensor> const& t) {
+  if (!t.has_value()) return {};
+  return {t->data_ptr<float>(), t->stride(0), t->stride(1)};
+}
 
 template <class Params>
 typename flash::KernelRegistry<Params>::Entry const& find_kernel(char const* direction, int kernel_hdim,
@@ -61,14 +69,26 @@ typename flash::KernelRegistry<Params>::Entry const& find_kernel(char const* dir
   return *entry;
 }
 
+// FP8 (e4m3) q, k, v give a bf16 out; the descales (None = 1) exist only for them.
 std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-                                           double softmax_scale, bool causal) {
-  auto const s = flash_api::check_qkv(q, k, v, softmax_scale, "flash_ext.forward");
-  flash_api::check_on_gpu({{&q, "q"}, {&k, "k"}, {&v, "v"}}, "flash_ext.forward");
+                                           double softmax_scale, bool causal, std::optional<at::Tensor> const& q_descale,
+                                           std::optional<at::Tensor> const& k_descale,
+                                           std::optional<at::Tensor> const& v_descale) {
+  char const* op = "flash_ext.forward";
+  auto const s = flash_api::check_qkv(q, k, v, softmax_scale, op, /*allow_fp8=*/true);
+  std::vector<std::pair<at::Tensor const*, char const*>> on_gpu{{&q, "q"}, {&k, "k"}, {&v, "v"}};
+  for (auto const& [t, name] : {std::pair{&q_descale, "q_descale"}, {&k_descale, "k_descale"}, {&v_descale, "v_descale"}}) {
+    if (t->has_value()) {
+      flash_api::check_descale(**t, name, s, q.scalar_type());
+      on_gpu.push_back({&**t, name});
+    }
+  }
+  flash_api::check_on_gpu(on_gpu, op);
   auto const& kernel = find_kernel<flash::FwdParams>("forward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kFwd), q.scalar_type(), causal);
 
   c10::cuda::CUDAGuard device_guard(q.device());
-  at::Tensor out = at::empty({s.batch, s.seqlen_q, s.nheads, s.headdim}, q.options());
+  bool const fp8 = q.scalar_type() == at::kFloat8_e4m3fn;
+  at::Tensor out = at::empty({s.batch, s.seqlen_q, s.nheads, s.headdim}, q.options().dtype(fp8 ? at::kBFloat16 : q.scalar_type()));
   at::Tensor lse = at::empty({s.batch, s.nheads, s.seqlen_q}, q.options().dtype(at::kFloat));
 
   flash::FwdParams params{};
@@ -77,6 +97,9 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
   params.v = strided(v);
   params.o = strided(out);
   params.lse = lse.data_ptr<float>();
+  params.q_descale = descale_tensor(q_descale);
+  params.k_descale = descale_tensor(k_descale);
+  params.v_descale = descale_tensor(v_descale);
   set_sizes(params, s, softmax_scale);
   params.pingpong = env_override("FLASH_EXT_PINGPONG");
   params.persistent = env_override("FLASH_EXT_PERSISTENT");
@@ -159,7 +182,7 @@ std::string build_info() {
   bool first = true;
   append_kernels<flash::FwdParams>(json, "fwd", first);
   append_kernels<flash::BwdParams>(json, "bwd", first);
-  json << "], \"cutlass\": \"" << CUTLASS_MAJOR << "." << CUTLASS_MINOR << "." << CUTLASS_PATCH << "\", \"cuda\": \""
+  json << "], \"fp8_max_offset\": " << flash::kFp8MaxOffset << ", \"cutlass\": \"" << CUTLASS_MAJOR << "." << CUTLASS_MINOR << "." << CUTLASS_PATCH << "\", \"cuda\": \""
        << CUDART_VERSION / 1000 << "." << (CUDART_VERSION % 1000) / 10 << "\"}";
   return json.str();
 }
@@ -182,7 +205,9 @@ std::string build_info() {
 #define FLASH_EXT_PYINIT(name) FLASH_EXT_PYINIT_(name)
 
 FLASH_EXT_LIBRARY(FLASH_EXT_OPS_NAMESPACE, m) {
-  m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor lse)");
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, Tensor? q_descale=None, "
+      "Tensor? k_descale=None, Tensor? v_descale=None) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale, "
       "bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");

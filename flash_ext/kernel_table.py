@@ -15,11 +15,13 @@ from dataclasses import dataclass
 # Head dims with their own kernels; every multiple of 8 up to the largest runs on the next size up.
 KERNEL_HEADDIMS = (64, 96, 128, 192, 256)
 # dtype name -> the CUTLASS element type of the kernels.
-DTYPES = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
+DTYPES = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t", "e4m3": "cutlass::float_e4m3_t"}
 CAUSAL = (False, True)
 # The kernel head dims of each direction (the backward runs head dims 129-256, d192 included, on its d256
 # kernel: its d192 tiles would need three consumer warpgroups, which did not pay for a kernel of its own).
 HEADDIMS_BY_DIRECTION = {"fwd": KERNEL_HEADDIMS, "bwd": (64, 96, 128, 256)}
+# The dtypes of each direction: FP8 (e4m3 in, bf16 out) is forward-only.
+DTYPES_BY_DIRECTION = {"fwd": ("fp16", "bf16", "e4m3"), "bwd": ("fp16", "bf16")}
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ def all_kernels():
         KernelEntry(direction, headdim, dtype, causal)
         for direction, headdims in HEADDIMS_BY_DIRECTION.items()
         for headdim in headdims
-        for dtype in DTYPES
+        for dtype in DTYPES_BY_DIRECTION[direction]
         for causal in CAUSAL
     ]
 

@@ -11,10 +11,35 @@ struct StridedTensor {
   int64_t batch_stride, row_stride, head_stride;
 };
 
+// FP8 kernels produce P as exp2(... + kFp8MaxOffset) (the seed, section 6): [0, 2^8] uses e4m3's range.
+// -DFLASH_EXT_FP8_MAX_OFFSET=0 builds the plain variant, to measure what the offset buys (docs/fp8.md);
+// flash_ext.build_info() reports the value.
+#ifndef FLASH_EXT_FP8_MAX_OFFSET
+#define FLASH_EXT_FP8_MAX_OFFSET 8
+#endif
+constexpr int kFp8MaxOffset = FLASH_EXT_FP8_MAX_OFFSET;
+
+#if defined(__CUDACC__)
+#define FLASH_HOST_DEVICE __host__ __device__
+#else
+#define FLASH_HOST_DEVICE
+#endif
+
+// FP8 descale factors: float32 (batch, nheads_kv), strides in elements; no tensor means 1.
+struct DescaleTensor {
+  float const* ptr = nullptr;
+  int64_t batch_stride = 0, head_stride = 0;
+  FLASH_HOST_DEVICE float at(int batch, int head_kv) const {
+    return ptr == nullptr ? 1.f : ptr[batch * batch_stride + head_kv * head_stride];
+  }
+};
+
 struct FwdParams {
-  // q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim); o has q's shape.
+  // q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim); o has q's shape
+  // (bf16 for FP8 inputs).
   StridedTensor q, k, v, o;
   float* lse;  // (batch, nheads, seqlen_q), contiguous
+  DescaleTensor q_descale, k_descale, v_descale;  // FP8 inputs only
   int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
   int headdim;  // the real head dim; the kernel's may be larger (zero-filled by TMA, clipped on store)
   float softmax_scale;

@@ -29,6 +29,12 @@ struct FwdKernel {
   static constexpr int kNumMmaThreads = Mainloop::kNumMmaThreads;
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   static constexpr int kMinBlocksPerSm = 1;
+  // setmaxnreg moves registers between warpgroups inside what the CTA got at launch (the per-thread count
+  // ptxas can give kNumThreads threads, a multiple of 8): asking for more makes the consumers' increase wait
+  // forever.
+  static_assert(Config::kProducerRegs * cutlass::NumThreadsPerWarpGroup + Config::kConsumerRegs * kNumMmaThreads <=
+                    (65536 / kNumThreads) / 8 * 8 * kNumThreads,
+                "the setmaxnreg split exceeds the CTA's registers");
   static constexpr int kSmemLimit = 227 * 1024;
 
   // Launch policy. Persistent launches (non-causal only: equal-cost tiles) need O staged in a buffer of its
@@ -44,8 +50,12 @@ struct FwdKernel {
   static constexpr int kPersistentMaxBlocks = 8;
   using Epilogue = FwdEpilogue<typename Config::ElementOut, kBlockM, Config::kHeadDim, typename Mainloop::TiledMmaPV,
                                kNumMmaThreads, kPersistentCapable>;
-  static_assert(kPersistentCapable || Epilogue::kSmemBytes <= int(sizeof(Mainloop::TensorStorage::smem_q)),
-                "O is staged in Q's buffer");
+  // Without a buffer of its own, O is staged in one the mainloop no longer needs at the end of the tile:
+  // Q's (16-bit), or V^T's (FP8: bf16 O is twice Q's size; GEMM1, the only reader of V^T, is done and so
+  // are the transposes once the consumers reach the epilogue).
+  static constexpr bool kStageOInVt = Mainloop::kTransposeV;
+  static_assert(kPersistentCapable || Epilogue::kSmemBytes <= (kStageOInVt ? Mainloop::kSmemBytesVt : Mainloop::kSmemBytesQ),
+                "O fits the lent buffer");
   using Scheduler = TileScheduler<kBlockM>;
   static constexpr bool kLongestFirst = kIsCausal;  // causal query blocks grow with the block index
 
@@ -93,10 +103,8 @@ struct FwdKernel {
       Epilogue::prefetch_descriptors(params.epilogue);
       Mainloop::init_barriers(storage.barriers);
     }
-    auto const pipeline_params = Mainloop::pipeline_params(warp_group_idx == 0, is_producer_thread);
-    // Both pipelines initialise their barriers from warp 0; the __syncthreads below publishes them.
-    PipelineKV pipeline_k(storage.barriers.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
-    PipelineKV pipeline_v(storage.barriers.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+    // The pipelines initialise their barriers from warp 0; the __syncthreads below publishes them.
+    auto pipelines = Mainloop::make_pipelines(storage.barriers, warp_group_idx == 0, is_producer_thread);
     __syncthreads();
 
     Scheduler const scheduler(params.seqlen_q, params.nheads, params.batch, kLongestFirst);
@@ -114,21 +122,31 @@ struct FwdKernel {
 
     if (warp_group_idx == 0) {
       cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
+      // One thread issues the TMA loads; FP8: warps 1-3 transpose V.
       if (is_producer_thread) {
         typename Mainloop::PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
         for_each_tile([&](int t, int iteration) {
           TileCoord const tile = scheduler.coord(t);
-          Mainloop::template load<kPersistentCapable>(params.mainloop, storage.tensors.mainloop, storage.barriers, pipeline_k,
-                                                      pipeline_v, write_state, tile, n_block_max(tile), iteration);
+          Mainloop::template load<kPersistentCapable>(params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines,
+                                                      write_state, tile, n_block_max(tile), iteration);
+        });
+      } else if (Mainloop::kTransposeV && warp_idx > 0) {
+        typename Mainloop::TransposeState state;
+        for_each_tile([&](int t, int) {
+          Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, state, n_block_max(scheduler.coord(t)),
+                                   int(threadIdx.x) - cutlass::NumThreadsPerWarp);
         });
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
       int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
-      typename Mainloop::PipelineState read_k, read_v;  // consumer states start at stage 0, phase 0
+      typename Mainloop::PipelineState read_k;  // consumer states start at stage 0, phase 0
+      typename Mainloop::PipelineStateV read_v;
       typename Config::ElementOut* smem_o;
       if constexpr (kPersistentCapable) {
         smem_o = storage.tensors.epilogue.smem_o.data();
+      } else if constexpr (kStageOInVt) {
+        smem_o = reinterpret_cast<typename Config::ElementOut*>(Mainloop::smem_vt(storage.tensors.mainloop));
       } else {
         smem_o = storage.tensors.mainloop.smem_q.data();
       }
@@ -137,15 +155,16 @@ struct FwdKernel {
         int const n_blocks = n_block_max(tile);
         typename Mainloop::TiledMmaPV tiled_mma_pv;
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 2>(typename Mainloop::TileShapeMNK{}));
-        Softmax<2 * decltype(size<1>(tOrO))::value, /*kMaxOffset=*/0> softmax(params.mainloop.softmax_scale_log2);
+        auto const scales = Mainloop::tile_scales(params.mainloop, tile);
+        Softmax<2 * decltype(size<1>(tOrO))::value, Config::kMaxOffset> softmax(scales.softmax_scale_log2);
         Mainloop::wait_q(storage.barriers, iteration);
         if (n_blocks > 0) {
-          Mainloop::mma(params.mainloop, storage.tensors.mainloop, pipeline_k, pipeline_v, read_k, read_v, tile, n_blocks,
-                        thread_idx, tOrO, softmax);
+          Mainloop::mma(params.mainloop, storage.tensors.mainloop, pipelines, read_k, read_v, tile, n_blocks, thread_idx,
+                        tOrO, softmax);
         } else {
           clear(tOrO);  // no key visible to any row: O = 0, and finalize gives LSE = -inf
         }
-        auto scores_scale = softmax.finalize();
+        auto scores_scale = softmax.finalize(scales.o_scale);
         softmax.rescale_o(tOrO, scores_scale);
         Epilogue::store(params.epilogue, smem_o, tile, thread_idx, tOrO, softmax.row_sum,
                         [&] { Mainloop::release_q(storage.barriers); });

@@ -18,6 +18,7 @@ template <class Element>
 constexpr char const* dtype_name();
 template <> constexpr char const* dtype_name<cutlass::half_t>() { return "fp16"; }
 template <> constexpr char const* dtype_name<cutlass::bfloat16_t>() { return "bf16"; }
+template <> constexpr char const* dtype_name<cutlass::float_e4m3_t>() { return "e4m3"; }
 
 // One registry per parameter type, i.e. per direction (FwdParams, BwdParams).
 template <class Params>

@@ -8,8 +8,15 @@ namespace flash {
 
 using namespace cute;
 
-// K-major shared-memory atom for a tile whose contiguous extent is kExtent elements: the widest swizzle
-// that divides it (the 128-byte swizzle spans 128 bytes of the contiguous dim).
+// Bytes of the contiguous dim one swizzle atom spans for a K-major tile of kExtent elements: the widest
+// swizzle (128, 64 or 32 bytes) that divides it. An atom is 8 rows of that.
+template <class Element, int kExtent>
+CUTE_HOST_DEVICE constexpr int k_major_swizzle_bytes() {
+  constexpr int kBytes = kExtent * int(sizeof(Element));
+  return kBytes % 128 == 0 ? 128 : kBytes % 64 == 0 ? 64 : 32;
+}
+
+// K-major shared-memory atom for a tile whose contiguous extent is kExtent elements (see above).
 template <class Element, int kExtent>
 CUTE_HOST_DEVICE constexpr auto smem_layout_atom_k_major() {
   constexpr int kBytes = kExtent * int(sizeof(Element));

@@ -3,7 +3,9 @@
 //
 // Producer (one thread of warpgroup 0): Q once, then K and V of every needed block, last block first,
 // into kStages-deep pipelines (mbarriers with transaction counts; separate K and V pipelines so GEMM0 of
-// a block can start before its V lands).
+// a block can start before its V lands). FP8: V lands in a staging buffer, and warps 1-3 of the producer
+// warpgroup transpose it (transpose_v.h) into the K-major buffer GEMM1 reads, publishing it through a
+// third pipeline; the TMA runs up to kStages blocks ahead of them.
 //
 // Consumers (each warpgroup owns 64 rows): per K/V block, in the order of the seed's mainloop,
 //   GEMM0 S = Q K^T, mask, max_get_scale, online_softmax, rescale_o, GEMM1 O += P V,
@@ -22,6 +24,7 @@
 #include "layouts.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
+#include "transpose_v.h"
 #include "utils.h"
 #include "warpgroup_scheduler.h"
 
@@ -47,9 +50,9 @@ struct FwdMainloop {
   using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, ElementAccum, TileShapeMNK>(),
                                              AtomLayoutMNK{}));
   // GEMM1: O += P V, P from registers. 16-bit V is stored as loaded (head dim contiguous) and read
-  // MN-major as V^T; 8-bit GMMA takes K-major operands only, so FP8 will need V transposed in smem.
-  static_assert(sizeof(Element) == 2, "the FP8 mainloop adds the V transpose");
-  static constexpr GMMA::Major kVMajor = GMMA::Major::MN;
+  // MN-major as V^T; 8-bit GMMA takes K-major operands only, so FP8 transposes V in shared memory.
+  static constexpr bool kTransposeV = sizeof(Element) == 1;
+  static constexpr GMMA::Major kVMajor = kTransposeV ? GMMA::Major::K : GMMA::Major::MN;
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, kVMajor>(),
@@ -57,26 +60,62 @@ struct FwdMainloop {
 
   using SmemLayoutQ = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutV = SmemLayoutK;
-  // The same bytes as V viewed as (headdim, kBlockN, stages): V^T for GEMM1's B operand.
-  using SmemLayoutVt = decltype(transposed_view(SmemLayoutV{}));
+  using SmemLayoutV = SmemLayoutK;  // as the TMA writes it; FP8: the staging buffer
+  // FP8: stages of transposed V. A third one, where shared memory allows, lets the transposing warps run a
+  // block further ahead of GEMM1: 690 -> 723 TFLOP/s at d128 8k (perf-notes section 14).
+  static constexpr int kStagesVt =
+      kTransposeV && (kBlockM + kBlockN * (2 * kStages + 3)) * kHeadDim + 2 * 1024 <= 227 * 1024 ? 3 : kStages;
+  // V^T (headdim, kBlockN, stages) for GEMM1's B operand: 16-bit, the same bytes as V viewed transposed;
+  // FP8, a buffer of its own with the keys contiguous (K-major).
+  using SmemLayoutVtTransposed =
+      decltype(smem_layout_k_major<Element>(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStagesVt>>{}));
+  using SmemLayoutVt =
+      std::conditional_t<kTransposeV, SmemLayoutVtTransposed, decltype(transposed_view(SmemLayoutV{}))>;
+  // Warps 1-3 of the producer warpgroup; warp 0 holds the TMA thread.
+  static constexpr int kNumTransposeThreads = cutlass::NumThreadsPerWarpGroup - cutlass::NumThreadsPerWarp;
+  using Transposer = VTransposer<kBlockN, kHeadDim, decltype(take<0, 2>(SmemLayoutV{})),
+                                 decltype(take<0, 2>(SmemLayoutVtTransposed{})), kNumTransposeThreads>;
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename PipelineKV::PipelineState;
+  // FP8: transposed V blocks, from the transposing warps (every thread arrives) to the consumers.
+  using PipelineVt = cutlass::PipelineAsync<kStagesVt>;
+  // The pipeline GEMM1 waits on for V^T.
+  using PipelineGemmV = std::conditional_t<kTransposeV, PipelineVt, PipelineKV>;
+  using PipelineStateV = typename PipelineGemmV::PipelineState;  // the consumers' place in it
   using BarrierQ = cutlass::arch::ClusterTransactionBarrier;
   using BarrierQEmpty = cutlass::arch::ClusterBarrier;
 
-  struct TensorStorage {
+  struct TensorStorage16 {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
   };
-  struct BarrierStorage {
+  struct TensorStorageFp8 : TensorStorage16 {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>, 1024> smem_vt;
+  };
+  using TensorStorage = std::conditional_t<kTransposeV, TensorStorageFp8, TensorStorage16>;
+  static constexpr int kSmemBytesQ = int(cosize_v<SmemLayoutQ> * sizeof(Element));
+  static constexpr int kSmemBytesVt = int(cosize_v<SmemLayoutVt> * sizeof(Element));  // FP8's own buffer
+  struct BarrierStorage16 {
     alignas(16) BarrierQ barrier_q;             // Q landed (phase = tile iteration & 1)
     alignas(16) BarrierQEmpty barrier_q_empty;  // Q's buffer may be overwritten with the next tile's Q
     alignas(16) typename PipelineKV::SharedStorage pipeline_k;
     alignas(16) typename PipelineKV::SharedStorage pipeline_v;
   };
+  struct BarrierStorageFp8 : BarrierStorage16 {
+    alignas(16) typename PipelineVt::SharedStorage pipeline_vt;
+  };
+  using BarrierStorage = std::conditional_t<kTransposeV, BarrierStorageFp8, BarrierStorage16>;
+
+  // GEMM1's V^T in shared memory: where the consumers read it.
+  __device__ static Element* smem_vt(TensorStorage& tensors) {
+    if constexpr (kTransposeV) {
+      return tensors.smem_vt.data();
+    } else {
+      return tensors.smem_v.data();
+    }
+  }
 
   static constexpr uint32_t kTmaBytesQ = uint32_t(size(SmemLayoutQ{}) * sizeof(Element));
   static constexpr uint32_t kTmaBytesKV = uint32_t(size(take<0, 2>(SmemLayoutK{})) * sizeof(Element));
@@ -95,7 +134,23 @@ struct FwdMainloop {
     int seqlen_q, seqlen_k, qheads_per_kvhead;
     float softmax_scale_log2;
     bool pingpong;  // consumer warpgroups take turns issuing GEMMs (WarpgroupScheduler)
+    DescaleTensor q_descale, k_descale, v_descale;  // FP8 only
   };
+
+  // The softmax scale (log2 domain) and O's final scale of one tile: FP8 folds q_descale * k_descale into
+  // the former and v_descale into the latter (per batch and KV head).
+  struct TileScales {
+    float softmax_scale_log2, o_scale;
+  };
+  __device__ static TileScales tile_scales(Params const& params, TileCoord const& tile) {
+    if constexpr (kTransposeV) {
+      int const head_kv = tile.head / params.qheads_per_kvhead;
+      float const qk = params.q_descale.at(tile.batch, head_kv) * params.k_descale.at(tile.batch, head_kv);
+      return {params.softmax_scale_log2 * qk, params.v_descale.at(tile.batch, head_kv)};
+    } else {
+      return {params.softmax_scale_log2, 1.f};
+    }
+  }
 
   static Params to_params(FwdParams const& p) {
     GmemShape const shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
@@ -112,7 +167,10 @@ struct FwdMainloop {
             p.seqlen_k,
             p.nheads / p.nheads_kv,
             float(p.softmax_scale * M_LOG2E),
-            p.pingpong < 0 ? Config::kPingPong : (Config::kPingPong && p.pingpong != 0)};
+            p.pingpong < 0 ? Config::kPingPong : (Config::kPingPong && p.pingpong != 0),
+            p.q_descale,
+            p.k_descale,
+            p.v_descale};
   }
 
   __device__ static void prefetch_descriptors(Params const& params) {
@@ -127,27 +185,83 @@ struct FwdMainloop {
     barriers.barrier_q_empty.init(/*arrive_count=*/1);
   }
 
-  // Both K/V pipelines; constructed by every thread (warp 0 initialises their barriers).
-  __device__ static typename PipelineKV::Params pipeline_params(bool is_producer_warpgroup, bool is_leader) {
-    typename PipelineKV::Params pipeline_params;
-    pipeline_params.transaction_bytes = kTmaBytesKV;
-    pipeline_params.role = is_producer_warpgroup ? PipelineKV::ThreadCategory::Producer : PipelineKV::ThreadCategory::Consumer;
-    pipeline_params.is_leader = is_leader;
-    pipeline_params.num_consumers = kNumMmaThreads;
-    return pipeline_params;
+  // The pipelines of one CTA, constructed by every thread (warp 0 initialises their barriers; a
+  // CTA-wide barrier must publish them). K: TMA -> consumers. V: TMA -> consumers (16-bit), or TMA ->
+  // the transposing warps -> (vt) consumers (FP8). The transposing warps use the V and vt barriers
+  // directly (transpose_tile): the pipeline objects' state would cost them registers.
+  struct Pipelines {
+    PipelineKV k, v;
+    std::conditional_t<kTransposeV, PipelineVt, cute::tuple<>> vt;
+    __device__ PipelineGemmV& gemm_v() {
+      if constexpr (kTransposeV) { return vt; } else { return v; }
+    }
+  };
+  __device__ static Pipelines make_pipelines(BarrierStorage& barriers, bool is_producer_warpgroup, bool is_leader) {
+    using Category = typename PipelineKV::ThreadCategory;
+    typename PipelineKV::Params k_params;
+    k_params.transaction_bytes = kTmaBytesKV;
+    k_params.role = is_producer_warpgroup ? Category::Producer : Category::Consumer;
+    k_params.is_leader = is_leader;
+    k_params.num_consumers = kNumMmaThreads;
+    typename PipelineKV::Params v_params = k_params;
+    if constexpr (kTransposeV) {
+      // The staging buffer's consumers are the transposing threads, each arriving once per block.
+      v_params.role = is_producer_warpgroup ? Category::Producer : Category::NonParticipant;
+      v_params.num_consumers = kNumTransposeThreads;
+      typename PipelineVt::Params vt_params;
+      vt_params.role = is_producer_warpgroup ? PipelineVt::ThreadCategory::NonParticipant : PipelineVt::ThreadCategory::Consumer;
+      vt_params.producer_arv_count = kNumTransposeThreads;
+      vt_params.consumer_arv_count = kNumMmaThreads;
+      return {PipelineKV(barriers.pipeline_k, k_params, Shape<_1, _1, _1>{}),
+              PipelineKV(barriers.pipeline_v, v_params, Shape<_1, _1, _1>{}), PipelineVt(barriers.pipeline_vt, vt_params)};
+    } else {
+      return {PipelineKV(barriers.pipeline_k, k_params, Shape<_1, _1, _1>{}),
+              PipelineKV(barriers.pipeline_v, v_params, Shape<_1, _1, _1>{}), {}};
+    }
   }
 
   // One thread, once the tile's Q is no longer needed (by GEMM0, nor as the epilogue's staging buffer).
   __device__ static void release_q(BarrierStorage& barriers) { barriers.barrier_q_empty.arrive(); }
 
+  // A transposing thread's place in the staging buffer (read) and in V^T (write).
+  struct TransposeState {
+    PipelineState staged_read;
+    typename PipelineVt::PipelineState vt_write = cutlass::make_producer_start_state<PipelineVt>();
+  };
+
+  // FP8, transposing warps (thread_idx 0 .. kNumTransposeThreads - 1): every staged V block of one tile,
+  // in the TMA's order, into V^T, each handed to the consumers as soon as it is written.
+  __device__ static void transpose_tile(TensorStorage& tensors, BarrierStorage& barriers, TransposeState& state,
+                                        int n_block_max, int thread_idx) {
+    if constexpr (kTransposeV) {
+      constexpr int kStageBytes = int(size(take<0, 2>(SmemLayoutV{})) * sizeof(Element));
+      static_assert(kStageBytes % 1024 == 0, "stage offsets keep the swizzle phase");
+      auto const* staged_base = reinterpret_cast<uint8_t const*>(tensors.smem_v.data());
+      auto* transposed_base = reinterpret_cast<uint8_t*>(tensors.smem_vt.data());
+      for (int block = 0; block < n_block_max; ++block) {
+        int const staged = state.staged_read.index(), vt = state.vt_write.index();
+        barriers.pipeline_v.full_barrier_[staged].wait(state.staged_read.phase());
+        barriers.pipeline_vt.empty_barrier_[vt].wait(state.vt_write.phase());
+        Transposer::run(staged_base + staged * kStageBytes, transposed_base + vt * kStageBytes, thread_idx);
+        cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by GMMA
+        barriers.pipeline_vt.full_barrier_[vt].arrive();
+        barriers.pipeline_v.empty_barrier_[staged].arrive();  // this thread's reads are done
+        ++state.staged_read;
+        ++state.vt_write;
+      }
+    }
+  }
+
   // Loads one tile: Q and its K/V blocks [0, n_block_max), last block first. When CTAs loop over tiles
   // (kLoopsOverTiles) the first K block goes before Q, whose buffer the previous tile may still hold: that K
   // load overlaps the previous epilogue. A tile that sees no key still gets its Q, so that the Q barriers
-  // stay in step with the consumers.
+  // stay in step with the consumers. Called by the TMA thread.
   template <bool kLoopsOverTiles>
   __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers,
-                              PipelineKV& pipeline_k, PipelineKV& pipeline_v, PipelineState& write_state,
-                              TileCoord const& tile, int n_block_max, int tile_iteration) {
+                              Pipelines& pipelines, PipelineState& write_state, TileCoord const& tile, int n_block_max,
+                              int tile_iteration) {
+    PipelineKV& pipeline_k = pipelines.k;
+    PipelineKV& pipeline_v = pipelines.v;
     Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(tensors.smem_v.data()), SmemLayoutV{});
@@ -204,14 +318,16 @@ struct FwdMainloop {
   // Computes the un-normalised O of the tile into tOrO and leaves the softmax state ready for finalize.
   // Requires n_block_max > 0 and Q in shared memory (wait_q).
   template <class FragO, class SoftmaxT>
-  __device__ static void mma(Params const& params, TensorStorage& tensors, PipelineKV& pipeline_k,
-                             PipelineKV& pipeline_v, PipelineState& read_k, PipelineState& read_v,
-                             TileCoord const& tile, int n_block_max, int thread_idx, FragO& tOrO, SoftmaxT& softmax) {
+  __device__ static void mma(Params const& params, TensorStorage& tensors, Pipelines& pipelines,
+                             PipelineState& read_k, PipelineStateV& read_v, TileCoord const& tile, int n_block_max,
+                             int thread_idx, FragO& tOrO, SoftmaxT& softmax) {
+    PipelineKV& pipeline_k = pipelines.k;
+    PipelineGemmV& pipeline_v = pipelines.gemm_v();
     using Blocks = BlockRange<kBlockM, kBlockN, kIsCausal>;
     int const m_block = tile.block;
     Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(tensors.smem_v.data()), SmemLayoutVt{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem_vt(tensors)), SmemLayoutVt{});
 
     TiledMmaQK tiled_mma_qk;
     TiledMmaPV tiled_mma_pv;
@@ -221,7 +337,7 @@ struct FwdMainloop {
     Tensor tSrK = thread_mma_qk.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stages)
     Tensor tOrV = thread_mma_pv.partition_fragment_B(sVt);   // (MMA, MMA_N, MMA_K, stages)
     Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
-    // P in 16 bits, laid out as GEMM1's register A operand.
+    // P in the input type, laid out as GEMM1's register A operand.
     Tensor tOrP = make_tensor<Element>(acc_layout_to_a_regs<Element>(tSrS.layout()));
 
     Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, params.seqlen_q, params.seqlen_k);
@@ -237,7 +353,7 @@ struct FwdMainloop {
     mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, n_block);
     softmax.template max_get_scale</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
     softmax.template online_softmax</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
-    convert_into(tSrS, tOrP);
+    convert_acc_to_a_regs(tSrS, tOrP);
 
     bool zero_init_o = true;  // the first GEMM1 writes O instead of accumulating
     // One K/V block with GEMM0 of block n overlapping GEMM1 of block n + 1.
@@ -261,7 +377,7 @@ struct FwdMainloop {
       pipeline_v.consumer_release(read_v);
       ++read_v;
       softmax.rescale_o(tOrO, scores_scale);
-      convert_into(tSrS, tOrP);
+      convert_acc_to_a_regs(tSrS, tOrP);
       zero_init_o = false;
     };
 

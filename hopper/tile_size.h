@@ -3,8 +3,13 @@
 // epilogue_*.h); the launch policy with the kernel.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+
+#include "flash.h"
 
 namespace flash {
 
@@ -22,30 +27,47 @@ template <bool C> struct FwdTileSize16<128, C> { static constexpr int kBlockM = 
 template <bool C> struct FwdTileSize16<192, C> { static constexpr int kBlockM = 128, kBlockN = C ? 96 : 112; };
 template <bool C> struct FwdTileSize16<256, C> { static constexpr int kBlockM = 128, kBlockN = C ? 64 : 80; };
 
+// FP8 (e4m3) tiles: twice the GEMM rate per byte of shared memory, so longer K/V blocks; V also needs a
+// transposed copy (mainloop_fwd.h), which the 16-bit kernels do not. d128 causal at kBlockN = 224 spilled
+// in the main loop (the mask's registers), so it takes 192.
+template <int kHeadDim, bool kIsCausal>
+struct FwdTileSizeFp8;
+template <bool C> struct FwdTileSizeFp8<64, C>  { static constexpr int kBlockM = 192, kBlockN = 160; };
+template <bool C> struct FwdTileSizeFp8<96, C>  { static constexpr int kBlockM = 192, kBlockN = 128; };
+template <bool C> struct FwdTileSizeFp8<128, C> { static constexpr int kBlockM = 128, kBlockN = C ? 192 : 224; };
+template <bool C> struct FwdTileSizeFp8<192, C> { static constexpr int kBlockM = 128, kBlockN = 160; };
+template <bool C> struct FwdTileSizeFp8<256, C> { static constexpr int kBlockM = 128, kBlockN = 128; };
+
 // The static configuration of one forward kernel.
 template <class Element_, int kHeadDim_, bool kIsCausal_>
 struct FwdConfig {
-  static_assert(sizeof(Element_) == 2, "16-bit forward configuration; FP8 adds its own");
+  static_assert(sizeof(Element_) == 2 || sizeof(Element_) == 1, "16-bit or FP8 (e4m3) inputs");
+  static constexpr bool kIsFp8 = sizeof(Element_) == 1;
   using Element = Element_;  // Q, K, V
-  using ElementOut = Element_;  // O
+  using ElementOut = std::conditional_t<kIsFp8, cutlass::bfloat16_t, Element_>;  // O
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kIsCausal = kIsCausal_;
+  using TileSize = std::conditional_t<kIsFp8, FwdTileSizeFp8<kHeadDim, kIsCausal>, FwdTileSize16<kHeadDim, kIsCausal>>;
 #if defined(FLASH_EXT_TILE_M) && defined(FLASH_EXT_TILE_N)
   // Tile experiments in side-by-side variant builds (scripts/build_variant.sh) only.
   static constexpr int kBlockM = FLASH_EXT_TILE_M;
   static constexpr int kBlockN = FLASH_EXT_TILE_N;
 #else
-  static constexpr int kBlockM = FwdTileSize16<kHeadDim, kIsCausal>::kBlockM;
-  static constexpr int kBlockN = FwdTileSize16<kHeadDim, kIsCausal>::kBlockN;
+  static constexpr int kBlockM = TileSize::kBlockM;
+  static constexpr int kBlockN = TileSize::kBlockN;
 #endif
   static constexpr int kStages = 2;  // K/V pipeline depth
+  static constexpr int kMaxOffset = kIsFp8 ? kFp8MaxOffset : 0;  // flash.h
 
-  // Warpgroup 0 loads; each further warpgroup owns 64 rows of the tile.
+  // Warpgroup 0 loads (and, for FP8, transposes V); each further warpgroup owns 64 rows of the tile.
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
   static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3);
-  // setmaxnreg split of the 64K registers: the producer keeps few, the consumers hold S, P and O.
-  static constexpr int kProducerRegs = kNumMmaWarpGroups == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kNumMmaWarpGroups == 2 ? 240 : 160;
+  // setmaxnreg split of the registers the CTA got at launch (FwdKernel checks the sum): the producer keeps
+  // few, the consumers hold S, P and O. The FP8 producer warpgroup also transposes V: it takes 40 where the
+  // consumers can give 8 each (232 suffice up to d192); FP8 d256's consumers need all 240.
+  static constexpr bool kLeanProducer = !kIsFp8 || kHeadDim > 192;
+  static constexpr int kProducerRegs = kNumMmaWarpGroups == 2 ? (kLeanProducer ? 24 : 40) : 32;
+  static constexpr int kConsumerRegs = kNumMmaWarpGroups == 2 ? (kLeanProducer ? 240 : 232) : 160;
   // Warpgroup ping-pong (WarpgroupScheduler): +5-14% at d64/d128 on the H200, +1-4% at d256 non-causal
   // (perf-notes section 2); compiled out of d192/d256 causal, where its extra live registers made ptxas
   // spill. Where compiled in, FLASH_EXT_PINGPONG=0/1 switches it at run time for A/B measurements.

@@ -60,20 +60,39 @@ CUTE_DEVICE auto make_rowcol_view(Tensor<Engine, Layout>& t) {
   return make_tensor(t.data(), acc_layout_rowcol(t.layout()));
 }
 
-// The A operand of a register-sourced GMMA, for the accumulator layout above: per K step of 32 bytes
-// (16 16-bit values) a thread holds the values of two consecutive 8-column groups of the accumulator,
-// ((2, 2, 2), MMA_M, K/16). For 16-bit types its linear register order is the accumulator's, so
-// converting P needs no data movement, only this layout. (8-bit A operands take 32 values per K step in
-// another register order: the FP8 mainloop permutes P's registers as well.)
+// The A operand of a register-sourced GMMA, for the accumulator layout above.
+// 16-bit: per K step of 32 bytes (16 values) a thread holds the values of two consecutive 8-column groups
+// of the accumulator, ((2, 2, 2), MMA_M, K/16); its linear register order is the accumulator's, so
+// converting P needs no data movement, only this layout.
+// 8-bit: per K step of 32 values a thread holds 4 consecutive k at row r, the same at row r + 8, then both
+// again 16 k further: ((4, 2, 2), MMA_M, K/32), compact. Its registers are filled by convert_acc_to_a_regs
+// in the FP8 mainloop's permuted key order (transpose_v.h).
 template <class Element, class Layout>
 CUTE_HOST_DEVICE constexpr auto acc_layout_to_a_regs(Layout const& acc) {
-  static_assert(sizeof(Element) == 2, "8-bit A operands need a register permutation");
   static_assert(decltype(rank(acc))::value == 3);
   constexpr int kColGroups = decltype(size<0, 2>(acc))::value;
-  static_assert(kColGroups % 2 == 0, "the GEMM0 tile N must be a multiple of 16");
-  auto groups = logical_divide(get<0, 2>(acc), Int<2>{});  // (2, N/16)
-  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0>(groups)), get<1>(acc),
-                     coalesce(make_layout(get<1>(groups), get<2>(acc))));
+  if constexpr (sizeof(Element) == 2) {
+    static_assert(kColGroups % 2 == 0, "the GEMM0 tile N must be a multiple of 16");
+    auto groups = logical_divide(get<0, 2>(acc), Int<2>{});  // (2, N/16)
+    return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0>(groups)), get<1>(acc),
+                       coalesce(make_layout(get<1>(groups), get<2>(acc))));
+  } else {
+    static_assert(sizeof(Element) == 1);
+    static_assert(kColGroups % 4 == 0 && decltype(size<2>(acc))::value == 1, "8-bit: one N atom, a multiple of 32");
+    return make_layout(make_shape(Shape<_4, _2, _2>{}, shape<1>(acc), Int<kColGroups / 4>{}));
+  }
+}
+
+// The accumulator as the 8-bit A operand sees it in the permuted key order of transpose_v.h: position
+// (i + 4 * (row + 8), k + 16, step) of thread q holds logical key 32 * step + 16 * h + 4q + i, which is
+// actual column 32 * step + 16 * h + 8 * (i / 2) + 2q + i % 2: accumulator value (i % 2, row, 4 * step +
+// 2 * h + i / 2). Every index is thread-local: no shuffles.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_layout_as_a_regs_fp8(Layout const& acc) {
+  auto halves = logical_divide(get<0, 2>(acc), Int<2>{});          // (i / 2, N/16)
+  auto steps = logical_divide(get<1>(halves), Int<2>{});           // (h, N/32)
+  return make_layout(make_layout(make_layout(get<0, 0>(acc), get<0>(halves)), get<0, 1>(acc), get<0>(steps)),
+                     get<1>(acc), get<1>(steps));
 }
 
 // Converts a register tensor element-wise into `dst` (same number of elements, any layout), using the
@@ -111,6 +130,21 @@ CUTE_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TensorA const& tCrA, Tensor
   if constexpr (kWaitGroups >= 0) { warpgroup_wait<kWaitGroups>(); }
   warpgroup_fence_operand(tCrC);
   if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TensorA&>(tCrA)); }
+}
+
+// P (the fp32 GEMM0 accumulator after the softmax) into GEMM1's register A operand of the input type.
+template <class EngineAcc, class LayoutAcc, class EngineP, class LayoutP>
+CUTE_DEVICE void convert_acc_to_a_regs(Tensor<EngineAcc, LayoutAcc> const& acc, Tensor<EngineP, LayoutP>& p) {
+  if constexpr (sizeof(typename EngineP::value_type) == 2) {
+    convert_into(acc, p);
+  } else {
+    Tensor acc_as_a = make_tensor(acc.data(), acc_layout_as_a_regs_fp8(acc.layout()));
+    Tensor ordered = make_tensor<float>(make_layout(shape(p)));
+    static_assert(decltype(size(acc_as_a))::value == decltype(size(ordered))::value);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(ordered); ++i) { ordered(i) = acc_as_a(i); }  // register renaming only
+    convert_into(ordered, p);
+  }
 }
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
