@@ -3,12 +3,14 @@
     out, lse = flash_ext.forward(q, k, v, softmax_scale=None, causal=False)
     dq, dk, dv = flash_ext.backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False)
     out = flash_ext.flash_attn_func(q, k, v, causal=True)   # FlashAttention-3's signature, differentiable
+    q8, k8, v8, qd, kd, vd = flash_ext.fp8.quantize_qkv(q, k, v)  # FP8 forward: e4m3 in, bf16 out
+    out, lse = flash_ext.forward(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
 
 q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), fp16 or bf16 on an
 sm_90 GPU. `flash_ext.reference` holds the float64 references and the CPU emulation of the kernel's
 online softmax; `flash_ext.kernel_table` the list of kernels a full build compiles.
 """
-from . import kernel_table, reference
+from . import fp8, kernel_table, reference
 from .fa3_compat import flash_attn_func
 from .interface import attention, backward, build_info, extension_available, forward, has_kernel, kernel_headdim
 from .kernel_table import KERNEL_HEADDIMS
@@ -23,6 +25,7 @@ __all__ = [
     "flash_attn_func",
     "attention_ref",
     "reference",
+    "fp8",
     "kernel_table",
     "build_info",
     "has_kernel",

@@ -42,8 +42,9 @@ def build_info():
 
 def has_kernel(direction, headdim, dtype, causal, info=None):
     """Whether the loaded build (or `info`, a build_info() dict) runs `direction` ("fwd"/"bwd") at this head
-    dim (any multiple of 8 up to 256), dtype (torch.float16/bfloat16 or "fp16"/"bf16") and mask."""
-    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, dtype)
+    dim (any multiple of 8 up to 256), dtype (torch.float16/bfloat16/float8_e4m3fn or "fp16"/"bf16"/"e4m3")
+    and mask."""
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "e4m3"}.get(dtype, dtype)
     wanted = {"direction": direction, "headdim": kernel_headdim(headdim, direction), "dtype": name, "causal": causal}
     return wanted in (info if info is not None else build_info())["kernels"]
 
@@ -76,23 +77,48 @@ def _check_bool(name, value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def forward(q, k, v, softmax_scale=None, causal=False):
+def forward(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None):
     """Exact attention forward on Hopper.
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim), fp16 or bf16, CUDA (sm_90).
+        q: (batch, seqlen_q, nheads, headdim), fp16, bf16 or FP8 (torch.float8_e4m3fn), CUDA (sm_90).
         k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype; nheads must be a multiple of nheads_kv.
             Any strides with a contiguous last dim (16-byte aligned), e.g. slices of a packed qkv tensor.
         softmax_scale: scale of QK^T before the softmax; default 1/sqrt(headdim).
         causal: mask aligned to the bottom-right corner: query i sees keys j <= i + seqlen_k - seqlen_q.
             Queries that see no key get out = 0 and lse = -inf.
+        q_descale, k_descale, v_descale: FP8 only: float32 (batch, nheads_kv) factors that turn the stored
+            e4m3 values back into real ones (q_real = q * q_descale[b, head // (nheads // nheads_kv)]);
+            None means 1. flash_ext.fp8.quantize_qkv makes all six from 16-bit tensors.
 
     Returns:
-        (out, lse): out like q (batch, seqlen_q, nheads, headdim) in q's dtype, contiguous;
-        lse float32 (batch, nheads, seqlen_q), the natural log of the softmax denominators.
-        Both are differentiable when q, k or v require grad (the backward is flash_ext.backward).
+        (out, lse): out (batch, seqlen_q, nheads, headdim), contiguous, in q's dtype (bf16 for FP8);
+        lse float32 (batch, nheads, seqlen_q), the natural log of the softmax denominators (of the
+        descaled scores). 16-bit: both are differentiable when q, k or v require grad (the backward is
+        flash_ext.backward). FP8 is forward-only.
     """
+    if any(t is not None for t in (q_descale, k_descale, v_descale)) or _is_fp8(q):
+        return _forward_fp8(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale)
     return attention(q, k, v, softmax_scale, causal, deterministic=False)
+
+
+def _is_fp8(t):
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn
+
+
+def _forward_fp8(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale):
+    """The FP8 path of forward (also reached by 16-bit inputs with descales, for the op's error)."""
+    _check_tensors(q=q, k=k, v=v)
+    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is not None:
+            _check_tensors(**{name: t})
+    scale = _softmax_scale(softmax_scale, q.shape[-1] if q.dim() > 0 else 1)
+    _check_bool("causal", causal)
+    _require_extension()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("the FP8 forward is not differentiable: flash_ext has no FP8 backward; "
+                                  "detach q, k, v or use 16-bit inputs for training")
+    return torch.ops.flash_ext.fwd(q, k, v, scale, causal, q_descale, k_descale, v_descale)
 
 
 def attention(q, k, v, softmax_scale=None, causal=False, deterministic=False):

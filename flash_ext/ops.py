@@ -1,6 +1,6 @@
 """torch.library registrations around the C++ ops, so that torch.compile traces them without graph breaks:
 
-- fake (meta) implementations of flash_ext::fwd, ::bwd and ::bwd_out (shapes only);
+- fake (meta) implementations of flash_ext::fwd (16-bit and FP8), ::bwd and ::bwd_out (shapes only);
 - flash_ext::attention, the differentiable forward: a custom op whose implementation is ::fwd and whose
   autograd formula calls ::bwd, with the gradient of lse (dlse) passed through exactly.
 """
@@ -22,9 +22,11 @@ def _kernel_readable(t):
 
 def register():
     @torch.library.register_fake("flash_ext::fwd")
-    def _fwd_fake(q, k, v, softmax_scale, causal):
+    def _fwd_fake(q, k, v, softmax_scale, causal, q_descale=None, k_descale=None, v_descale=None):
         b, sq, h, _ = q.shape
-        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
+        out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype  # FP8 in, bf16 out
+        out = torch.empty_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)
+        return out, q.new_empty((b, h, sq), dtype=torch.float32)
 
     @torch.library.register_fake("flash_ext::bwd")
     def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic):

@@ -10,6 +10,8 @@ get out = 0 and lse = -inf.
   (the kernel's max error vs attention_ref must stay within ~2x that of attention_lowp).
 - attention_autograd: the same two computations (float64, or the inputs' dtype as PyTorch's math attention
   runs it), differentiable through torch.autograd and returning (out, lse): the reference of the backward.
+- attention_fp8_emulation: the FP8 forward's arithmetic in float64 except for its two roundings to e4m3
+  (the inputs, given already quantized, and P scaled by 2^max_offset): the yardstick of the FP8 error rule.
 - softmax_three_pass / softmax_online_two_pass: the seed's strategies 1 and 2 on the rows of a 2-D tensor.
 - OnlineSoftmax / attention_tiled: strategy 3, the kernel's single-pass tiled loop (Softmax<kNRows, Max_offset>
   of hopper/softmax.h and the mainloop's call order), for checking its numerics on the CPU.
@@ -132,6 +134,40 @@ def attention_lowp(q, k, v, softmax_scale=None, causal=False):
             scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal), -math.inf)
         probs = torch.softmax(scores.float(), dim=-1).nan_to_num_(nan=0.0).to(q.dtype)  # all -inf row: NaN -> 0
         out[heads, rows] = torch.matmul(probs, vf[kv])
+    return _to_bshd(out, batch, nheads)
+
+
+def attention_fp8_emulation(q8, k8, v8, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                            causal=False, max_offset=8):
+    """FP8 attention as the kernel rounds it, otherwise exact (float64): S from the descaled e4m3 inputs,
+    P = exp(S - rowmax) * 2^max_offset rounded to e4m3 for the PV product while the row sums use the
+    unrounded P, O = (P8 V8) / sum * v_descale. Descales are float32 (batch, nheads_kv) or None (= 1).
+    Returns out (batch, seqlen_q, nheads, headdim) in float64."""
+    _check_shapes(q8, k8, v8)
+    batch, seqlen_q, nheads, headdim = q8.shape
+    seqlen_k, nheads_kv = k8.shape[1], k8.shape[2]
+    scale = _default_scale(softmax_scale, headdim)
+    ones = torch.ones(batch, nheads_kv, dtype=torch.float64, device=q8.device)
+    qd, kd, vd = (ones if d is None else d.double() for d in (q_descale, k_descale, v_descale))
+    qf, kf, vf, kv_index = _heads_first(q8, k8, v8, torch.float64)
+    # Per flattened query head: q*k descale folded into the scale, v descale applied to O at the end.
+    qk_scale = (qd * kd).reshape(-1)[kv_index] * scale
+    v_scale = vd.reshape(-1)[kv_index]
+    out = torch.zeros_like(qf)
+    cols = torch.arange(seqlen_k, device=q8.device)
+    for heads, rows in _chunks(batch * nheads, seqlen_q, seqlen_k, elem_bytes=8):
+        kv = kv_index[heads]
+        scores = torch.matmul(qf[heads, rows], kf[kv].transpose(-1, -2)) * qk_scale[heads, None, None]
+        if causal:
+            row_ids = torch.arange(rows.start, rows.stop, device=q8.device)
+            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal), -math.inf)
+        row_max = scores.amax(dim=-1, keepdim=True)
+        row_max = torch.where(torch.isinf(row_max), 0.0, row_max)  # rows that see no key: P = 0
+        p = scores.sub_(row_max).exp_().mul_(2.0 ** max_offset)
+        row_sum = p.sum(dim=-1, keepdim=True)
+        p8 = p.float().to(torch.float8_e4m3fn).double()
+        o = torch.matmul(p8, vf[kv]) / torch.where(row_sum == 0, 1.0, row_sum)
+        out[heads, rows] = o * v_scale[heads, None, None]
     return _to_bshd(out, batch, nheads)
 
 

@@ -40,7 +40,7 @@ def test_wrong_rank(shape):
 def test_unsupported_dtype(dtype):
     q, k, v = qkv()
     bad = torch.ones(1, 8, 2, 64, dtype=dtype)
-    with pytest.raises(TypeError, match=rf"q has dtype {dtype}; .*float16 and torch.bfloat16"):
+    with pytest.raises(TypeError, match=rf"q has dtype {dtype}; .*torch.float16, torch.bfloat16 and torch.float8_e4m3fn"):
         flash_ext.forward(bad, k, v)
 
 

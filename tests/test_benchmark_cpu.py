@@ -486,3 +486,25 @@ def test_flash_ext_backward_call_on_cpu(fake_build, monkeypatch):
     assert set(by[("bwd", "flash_ext")].err_detail) == {"dq", "dk", "dv"}
     backward_calls = [c for c in calls if c != "forward"]
     assert backward_calls and set(backward_calls) == {("backward", True)}
+
+
+def test_fp8_run_has_the_bf16_yardstick(fake_build):
+    """--dtype fp8: flash_ext runs the e4m3 kernels (forward only) and flash_ext_bf16 our bf16 forward on the
+    same inputs; the table shows their ratio."""
+    fake_build["kernels"].append({"direction": "fwd", "headdim": 128, "dtype": "e4m3", "causal": False})
+    fake_build["dtypes"].append("e4m3")
+    d128 = Shape(2, 1024, 1024, 16, 16, 128, False)
+    fp8_cfg = runner.RunConfig(dtype="fp8")
+    assert backends.FlashExtBackend(fp8_cfg).refuse(d128, "fwd") is None
+    assert backends.FlashExtBackend(fp8_cfg).refuse(d128, "bwd")[0] == records.NA
+    status, reason = backends.FlashExtBackend(fp8_cfg).refuse(dataclasses.replace(d128, causal=True), "fwd")
+    assert status == records.SKIPPED and "e4m3" in reason
+    yardstick = backends.FlashExtBf16Backend(fp8_cfg)
+    assert yardstick.refuse(d128, "fwd") is None and yardstick.refuse(d128, "bwd")[0] == records.NA
+    assert backends.FlashExtBf16Backend(runner.RunConfig(dtype="bf16")).refuse(d128, "fwd")[0] == records.SKIPPED
+    recs = [_rec(S1, "flash_ext", tf=900.0), _rec(S1, "flash_ext_bf16", tf=600.0),
+            _rec(S1, "sdpa_cudnn", status=records.SKIPPED, reason="SDPA has no fp8 attention")]
+    for r in recs:
+        r.flops = shapes.attention_flops(r.shape, r.mode)
+    text = report.format_table(recs, "fwd")
+    assert "flash_ext bf16" in text and "fp8/bf16" in text and "1.50x" in text

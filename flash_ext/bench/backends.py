@@ -89,10 +89,16 @@ class FlashExtBackend(Backend):
     def check_available(self):
         return None if self.info is not None else "flash_ext extension not built (or it failed to load)"
 
+    # The benchmark's dtype names -> the kernel table's (flash_ext/kernel_table.py).
+    KERNEL_DTYPE = {"fp8": "e4m3"}
+
     def refuse(self, shape, mode):
-        dtype = self.cfg.dtype
+        dtype = self.KERNEL_DTYPE.get(self.cfg.dtype, self.cfg.dtype)
+        if mode == "bwd" and dtype == "e4m3":
+            return NA, "FP8 is forward-only"
         if dtype not in self.info["dtypes"]:
-            return SKIPPED, f"{dtype} not in this flash_ext build (it has {', '.join(self.info['dtypes'])})"
+            name = self.cfg.dtype + (f" ({dtype})" if dtype != self.cfg.dtype else "")
+            return SKIPPED, f"{name} not in this flash_ext build (it has {', '.join(self.info['dtypes'])})"
         if mode == "bwd" and not self.info["backward"]:
             return NA, "no backward in this flash_ext build"
         try:
@@ -119,6 +125,25 @@ class FlashExtBackend(Backend):
             )
 
         return fn, tuple
+
+
+class FlashExtBf16Backend(FlashExtBackend):
+    """flash_ext's bf16 forward on the same inputs, as the yardstick of an fp8 run (SDPA has no fp8):
+    the inputs are converted to bf16 outside the timed region. Runs only with --dtype fp8."""
+
+    key = "flash_ext_bf16"
+
+    def refuse(self, shape, mode):
+        if self.cfg.dtype != "fp8":
+            return SKIPPED, "the bf16 yardstick of --dtype fp8 runs"
+        if mode == "bwd":
+            return NA, "FP8 is forward-only"
+        if not flash_ext.has_kernel("fwd", shape.headdim, "bf16", shape.causal, info=self.info):
+            return SKIPPED, "no bf16 forward kernel for this shape in this flash_ext build"
+        return None
+
+    def make_fwd(self, q, k, v, shape, scale):
+        return super().make_fwd(*(t.to(torch.bfloat16) for t in (q, k, v)), shape, scale)
 
 
 def fa3_importable():
@@ -250,7 +275,9 @@ class FlexBackend(Backend):
 
 
 BACKENDS = {
-    b.key: b for b in (FlashExtBackend, FA3Backend, SDPACudnn, SDPAFlash, SDPAEfficient, SDPAMath, FlexBackend)
+    b.key: b
+    for b in (FlashExtBackend, FlashExtBf16Backend, FA3Backend, SDPACudnn, SDPAFlash, SDPAEfficient, SDPAMath,
+              FlexBackend)
 }
 
 

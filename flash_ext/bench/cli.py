@@ -25,7 +25,8 @@ QUICK_HEADDIMS = (128,)
 QUICK_SEQLENS = (1024, 8192)
 DEFAULT_TOKENS = 16384  # batch * seqlen
 DEFAULT_HIDDEN = 2048  # nheads * headdim
-DEFAULT_BACKENDS = tuple(k for k in BACKENDS if k != "flex")  # flex compiles once per shape: opt-in
+# flex compiles once per shape: opt-in; the bf16 yardstick only for fp8 runs.
+DEFAULT_BACKENDS = tuple(k for k in BACKENDS if k not in ("flex", "flash_ext_bf16"))
 
 
 def parse_int_list(text):
@@ -139,6 +140,8 @@ def resolve_modes(mode):
 def select_backends(args):
     """Backend keys to run, in table order. FA3 joins the default set only when it is importable."""
     keys = list(args.backends or (k for k in DEFAULT_BACKENDS if k != "fa3" or fa3_importable()))
+    if args.backends is None and args.dtype == "fp8":
+        keys.insert(1, "flash_ext_bf16")
     if args.flex:
         keys.append("flex")
     return order_backends(keys)

@@ -7,6 +7,7 @@ from .shapes import Shape
 # Backend key -> display name, in table column order.
 BACKEND_NAMES = {
     "flash_ext": "flash_ext",
+    "flash_ext_bf16": "flash_ext bf16",
     "fa3": "FA3",
     "sdpa_cudnn": "SDPA cuDNN",
     "sdpa_flash": "SDPA flash",

@@ -73,7 +73,10 @@ def format_table(records, mode, backends=None, title=None):
     rows = rows_for_mode(records, mode)
     backends = list(backends or order_backends(r.backend for r in records if r.mode == mode))
     have_fa3 = "fa3" in backends and any(_timed(row.get("fa3")) for _, row in rows)
+    have_bf16 = "flash_ext_bf16" in backends and any(_timed(row.get("flash_ext_bf16")) for _, row in rows)
     header = ["shape"] + [backend_name(k) for k in backends] + ["best SDPA", "ext/SDPA"]
+    if have_bf16:
+        header.append("fp8/bf16")
     if have_fa3:
         header.append("ext/FA3")
     notes = {}  # (backend, reason) -> footnote number
@@ -96,6 +99,9 @@ def format_table(records, mode, backends=None, title=None):
         line.append(backend_name(best_key).replace("SDPA ", "") if best_key else "-")
         ratios.append(ratio_to(row))
         line.append(f"{ratios[-1]:.2f}x" if ratios[-1] is not None else "-")
+        if have_bf16:
+            rb = ratio_to(row, against="flash_ext_bf16")
+            line.append(f"{rb:.2f}x" if rb is not None else "-")
         if have_fa3:
             r3 = ratio_to(row, against="fa3")
             line.append(f"{r3:.2f}x" if r3 is not None else "-")
@@ -110,7 +116,8 @@ def format_table(records, mode, backends=None, title=None):
     out.append(
         "TFLOP/s (higher is better): "
         + ("forward 4*b*h*sq*sk*d, halved for causal sq == sk" if mode == "fwd" else "backward 2.5x the forward FLOPs")
-        + "; ext/SDPA = flash_ext over the fastest correct SDPA backend."
+        + "; ext/SDPA = flash_ext over the fastest correct SDPA backend"
+        + ("; fp8/bf16 = flash_ext fp8 over its own bf16 forward on the same inputs." if have_bf16 else ".")
     )
     if unchecked:
         out.append("* timed without a correctness check (the float64 reference could not run on this shape)")
