@@ -8,6 +8,9 @@
 #   AB=v0                                         also scripts/ab_fwd.py against variant build(s) v0,...
 #   AB_BWD=b0                                     also scripts/ab_bwd.py against variant build(s) b0,...
 #   MEMCHECK=1                                    also compute-sanitizer memcheck over every backward kernel
+#   FP8=1                                         also the FP8 benchmark (fp8 vs our bf16, 8k, d64/128/256, both masks),
+#                                                 memcheck over every FP8 kernel, and the accuracy table
+#                                                 (FP8_VARIANT=off0: a -DFLASH_EXT_FP8_MAX_OFFSET=0 variant build)
 #   TESTS=0, PYTEST_ARGS="-k backward"            skip or narrow the tests
 #   SMOKE_S, PYTEST_S, BENCH_S                    time limits in seconds (a device call is at most 600 s)
 set -uo pipefail
@@ -55,6 +58,13 @@ if [ "${BWD_BENCH:-0}" != 0 ]; then
 fi
 if [ "${MEMCHECK:-0}" != 0 ]; then
   step memcheck_bwd ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_bwd.py
+fi
+if [ "${FP8:-0}" != 0 ]; then
+  step bench_fp8 ${BENCH_S:-240} python3 -m flash_ext.benchmark --dtype fp8 --headdims 64,128,256 --seqlens 8k --causal both \
+    --out "$out" --name bench_fp8 --no-progress
+  step memcheck_fp8 ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fp8.py
+  step fp8_accuracy ${BENCH_S:-240} python3 scripts/fp8_accuracy.py ${FP8_VARIANT:+--variant $FP8_VARIANT} \
+    --out "$out/fp8_accuracy.md"
 fi
 # The device tool returns at most 8 files: everything but the summary travels in one archive.
 archive=$(mktemp /tmp/gpu_check_logs.XXXXXX.tgz)
