@@ -103,6 +103,12 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
   set_sizes(params, s, softmax_scale);
   params.pingpong = env_override("FLASH_EXT_PINGPONG");
   params.persistent = env_override("FLASH_EXT_PERSISTENT");
+  size_t const workspace_bytes = kernel.workspace_bytes != nullptr ? kernel.workspace_bytes(params) : 0;
+  at::Tensor workspace;
+  if (workspace_bytes > 0) {
+    workspace = at::empty({int64_t(workspace_bytes)}, q.options().dtype(at::kByte));
+    params.workspace = workspace.data_ptr();
+  }
 
   kernel.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {out, lse};

@@ -2,10 +2,12 @@
 // TMA store of the tile (rows past seqlen_q and columns past the real head dim are clipped by the TMA
 // unit); LSE straight from registers, one thread per row.
 //
-// The staging buffer is the epilogue's own (kOwnBuffer) or one the kernel lends it (Q's, which no GEMM
-// reads once the tile's last S is computed). release_input_buffer() is called by one thread once the
-// consumers are past the mainloop and, for a lent buffer, once the TMA store has read it: from then on the
-// producer may load the next tile's Q.
+// The staging buffer is the epilogue's own, one the mainloop lends until the store has read it (V's last
+// stage: the kernel hands that back itself), or Q's (which no GEMM reads once the tile's last S is
+// computed). With kAsyncStore (the first two) the tile ends without waiting for its store: an own buffer is
+// waited for at the next tile's store. release_input_buffer() (Q's) is called by one thread once the
+// consumers are past the mainloop and, when Q's buffer stages O, once the TMA store has read it: from then
+// on the producer may load the next tile's Q.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -21,13 +23,13 @@ namespace flash {
 
 using namespace cute;
 
-template <class ElementOut, int kBlockM, int kHeadDim, class TiledMmaPV, int kNumMmaThreads, bool kOwnBuffer>
+template <class ElementOut, int kBlockM, int kHeadDim, class TiledMmaPV, int kNumMmaThreads, bool kAsyncStore>
 struct FwdEpilogue {
   using TileShapeMD = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using SmemLayoutO = decltype(smem_layout_k_major<ElementOut>(TileShapeMD{}));
   static constexpr int kSmemBytes = int(cosize_v<SmemLayoutO> * sizeof(ElementOut));
 
-  // Part of the kernel's shared storage only with kOwnBuffer.
+  // Part of the kernel's shared storage when O has a buffer of its own.
   struct TensorStorage {
     alignas(1024) cute::array_aligned<ElementOut, cosize_v<SmemLayoutO>, 1024> smem_o;
   };
@@ -65,12 +67,12 @@ struct FwdEpilogue {
     Tensor taccOsO = smem_thread_copy_o.partition_D(sO);
 
     // An own buffer is free again once the previous tile's store has read it.
-    if constexpr (kOwnBuffer) {
+    if constexpr (kAsyncStore) {
       if (thread_idx == 0) { tma_store_wait<0>(); }
     }
     // Every consumer warpgroup is past its last GEMM0 (which reads Q) and the buffer is free.
     cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
-    if constexpr (kOwnBuffer) {
+    if constexpr (kAsyncStore) {
       if (thread_idx == 0) { release_input_buffer(); }
     }
     copy(smem_tiled_copy_o, taccOrO, taccOsO);
@@ -96,8 +98,8 @@ struct FwdEpilogue {
       auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO, tOgO);
       tma_store_arrive();
-      if constexpr (!kOwnBuffer) {
-        tma_store_wait<0>();  // the lent buffer is needed back: wait until the store has read it
+      if constexpr (!kAsyncStore) {
+        tma_store_wait<0>();  // Q's buffer is needed back: wait until the store has read it
         release_input_buffer();
       }
     }

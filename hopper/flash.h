@@ -47,6 +47,9 @@ struct FwdParams {
   int pingpong = -1;
   // Persistent launch (one CTA per SM walking tiles): -1 = by the kernel's heuristic, 0 = off, 1 = on.
   int persistent = -1;
+  // Workspace of the registry entry's workspace_bytes() (the tile counter of dynamic persistent launches),
+  // allocated by the caller; the launcher clears it.
+  void* workspace = nullptr;
 };
 
 struct BwdParams {

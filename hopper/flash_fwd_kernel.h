@@ -1,6 +1,6 @@
 // The warp-specialized forward kernel: warpgroup 0 produces (TMA), the others consume (GMMA + softmax)
-// and store the tile. Composes the mainloop and epilogue collectives, the tile scheduler and the
-// launch policy (one CTA per tile, or persistent CTAs that walk tiles).
+// and store the tile. Composes the mainloop and epilogue collectives and the tile scheduler, in two
+// launch forms: one CTA per tile (straight-line code), or persistent CTAs that walk tiles.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,8 +20,62 @@ namespace flash {
 
 using namespace cute;
 
+// Launch policy of one configuration, decided per call on the host (perf-notes sections 4, 5 and 15).
+//
+// Persistent CTAs (one per SM, looping over tiles) hide the fixed per-tile costs that dominate short
+// sequences: the producer loads the next tile's first K/V block and Q while the consumers run the epilogue.
+// That needs O staged where it does not hold up the next Q: a buffer of its own where one fits beside the
+// mainloop's storage, else (non-causal 16-bit, kBlockN >= kBlockM) the V stage the tile's last GEMM1 read
+// (the next tile's first K/V block goes to the other stage; the consumers hand this one back once the store
+// has read it). FP8 keeps one tile per CTA: its V^T buffer leaves no room. Causal tiles differ in length:
+// persistent causal CTAs draw tiles from a counter, longest first over groups of heads (tile_scheduler.h),
+// so the SMs finish together; non-causal ones walk equal tiles statically.
+//
+// Long sequences run one CTA per tile with straight-line code, a kernel of its own: the tile loop (and the
+// producer registers it needs) cost 2-5% there, and persistence gains nothing once a tile has many blocks.
 template <class Config>
+struct FwdLaunchPolicy {
+  using Mainloop = FwdMainloop<Config>;
+  static constexpr int kSmemLimit = 227 * 1024;
+  using EpilogueAsync = FwdEpilogue<typename Config::ElementOut, Config::kBlockM, Config::kHeadDim,
+                                    typename Mainloop::TiledMmaPV, Mainloop::kNumMmaThreads, /*kAsyncStore=*/true>;
+  static constexpr bool kOwnOBuffer =
+      !Mainloop::kTransposeV &&
+      int(sizeof(typename Mainloop::TensorStorage)) + EpilogueAsync::kSmemBytes + 1024 <= kSmemLimit;
+  static constexpr bool kOInVStage = !kOwnOBuffer && !Mainloop::kTransposeV && !Config::kIsCausal &&
+                                     EpilogueAsync::kSmemBytes <= Mainloop::kSmemBytesVStage;
+  static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage;
+  // Persistent while a tile has at most this many K/V blocks (measured: perf-notes section 15).
+  static constexpr int kPersistentMaxBlocks = Config::kIsCausal ? 16 : 8;
+
+  using Scheduler = TileScheduler<Config::kBlockM>;
+  static constexpr bool kLongestFirst = Config::kIsCausal;  // causal query blocks grow with the block index
+
+  struct LaunchMode {
+    bool persistent, dynamic;
+  };
+  static LaunchMode launch_mode(FwdParams const& p) {
+    bool persistent = kPersistentCapable && ceil_div(p.seqlen_k, Config::kBlockN) <= kPersistentMaxBlocks;
+    if (p.persistent >= 0) { persistent = kPersistentCapable && p.persistent != 0; }
+    return {persistent, persistent && Config::kIsCausal};
+  }
+  // The tile counter of dynamic launches.
+  static size_t workspace_bytes(FwdParams const& p) { return launch_mode(p).dynamic ? sizeof(int) : 0; }
+
+  // Causal: longest first over groups of heads whose K/V fit in L2; dynamic launches draw from the counter.
+  static Scheduler scheduler(FwdParams const& p) {
+    int64_t const kv_bytes_per_head = int64_t(p.seqlen_k) * Config::kHeadDim * 2 * int(sizeof(typename Config::Element));
+    int const heads_per_group =
+        kLongestFirst ? Scheduler::l2_heads_per_group(kv_bytes_per_head, p.nheads / p.nheads_kv, p.nheads * p.batch) : 1;
+    int* counter = launch_mode(p).dynamic ? static_cast<int*>(p.workspace) : nullptr;
+    return Scheduler(p.seqlen_q, p.nheads, p.batch, kLongestFirst, heads_per_group, counter);
+  }
+};
+
+template <class Config, bool kPersistent>
 struct FwdKernel {
+  using Policy = FwdLaunchPolicy<Config>;
+  static_assert(!kPersistent || Policy::kPersistentCapable, "no persistent form without a place for O");
   using Mainloop = FwdMainloop<Config>;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
@@ -29,35 +83,29 @@ struct FwdKernel {
   static constexpr int kNumMmaThreads = Mainloop::kNumMmaThreads;
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   static constexpr int kMinBlocksPerSm = 1;
-  // setmaxnreg moves registers between warpgroups inside what the CTA got at launch (the per-thread count
-  // ptxas can give kNumThreads threads, a multiple of 8): asking for more makes the consumers' increase wait
-  // forever.
-  static_assert(Config::kProducerRegs * cutlass::NumThreadsPerWarpGroup + Config::kConsumerRegs * kNumMmaThreads <=
+
+  // Register split (setmaxnreg). The tile loop's state does not fit a producer of 24 registers (ptxas
+  // spilled it): persistent kernels take 8 from each consumer warpgroup. setmaxnreg moves registers between
+  // warpgroups inside what the CTA got at launch (the per-thread count ptxas can give kNumThreads threads, a
+  // multiple of 8): asking for more makes the consumers' increase wait forever.
+  static constexpr int kProducerRegs = kPersistent ? cute::max(Config::kProducerRegs, 32) : Config::kProducerRegs;
+  static constexpr int kConsumerRegs = Config::kConsumerRegs - (kProducerRegs > Config::kProducerRegs ? 8 : 0);
+  static_assert(kProducerRegs * cutlass::NumThreadsPerWarpGroup + kConsumerRegs * kNumMmaThreads <=
                     (65536 / kNumThreads) / 8 * 8 * kNumThreads,
                 "the setmaxnreg split exceeds the CTA's registers");
-  static constexpr int kSmemLimit = 227 * 1024;
 
-  // Launch policy. Persistent launches (non-causal only: equal-cost tiles) need O staged in a buffer of its
-  // own, so that the next tile's Q can land during the epilogue: +12% at 512, +5% at 1k for d64
-  // (perf-notes sections 4-5). Kernels where that buffer fits beside the mainloop's compute one or more
-  // tiles per CTA in a loop; the others exactly one tile per CTA with straight-line code (the loop measured
-  // 3-6% slower there), staging O in Q's buffer. The host launches persistent CTAs while a tile has at most
-  // kPersistentMaxBlocks K/V blocks; past that one CTA per tile is as fast.
-  using EpilogueOwnBuffer = FwdEpilogue<typename Config::ElementOut, kBlockM, Config::kHeadDim,
-                                        typename Mainloop::TiledMmaPV, kNumMmaThreads, /*kOwnBuffer=*/true>;
-  static constexpr bool kPersistentCapable =
-      !kIsCausal && int(sizeof(typename Mainloop::TensorStorage)) + EpilogueOwnBuffer::kSmemBytes + 1024 <= kSmemLimit;
-  static constexpr int kPersistentMaxBlocks = 8;
+  // Where O is staged (Policy): persistent, its own buffer or V's last stage; one tile per CTA, a buffer
+  // the mainloop no longer needs at the end of the tile: Q's (16-bit), or V^T's (FP8: bf16 O is twice Q's
+  // size; GEMM1, the only reader of V^T, is done and so are the transposes once the consumers reach the
+  // epilogue).
+  static constexpr bool kOwnOBuffer = kPersistent && Policy::kOwnOBuffer;
+  static constexpr bool kOInVStage = kPersistent && Policy::kOInVStage;
+  static constexpr bool kStageOInVt = !kPersistent && Mainloop::kTransposeV;
   using Epilogue = FwdEpilogue<typename Config::ElementOut, kBlockM, Config::kHeadDim, typename Mainloop::TiledMmaPV,
-                               kNumMmaThreads, kPersistentCapable>;
-  // Without a buffer of its own, O is staged in one the mainloop no longer needs at the end of the tile:
-  // Q's (16-bit), or V^T's (FP8: bf16 O is twice Q's size; GEMM1, the only reader of V^T, is done and so
-  // are the transposes once the consumers reach the epilogue).
-  static constexpr bool kStageOInVt = Mainloop::kTransposeV;
-  static_assert(kPersistentCapable || Epilogue::kSmemBytes <= (kStageOInVt ? Mainloop::kSmemBytesVt : Mainloop::kSmemBytesQ),
+                               kNumMmaThreads, /*kAsyncStore=*/kPersistent>;
+  static_assert(kPersistent || Epilogue::kSmemBytes <= (kStageOInVt ? Mainloop::kSmemBytesVt : Mainloop::kSmemBytesQ),
                 "O fits the lent buffer");
-  using Scheduler = TileScheduler<kBlockM>;
-  static constexpr bool kLongestFirst = kIsCausal;  // causal query blocks grow with the block index
+  using Scheduler = typename Policy::Scheduler;
 
   struct TensorsWithO {
     typename Mainloop::TensorStorage mainloop;
@@ -67,26 +115,25 @@ struct FwdKernel {
     typename Mainloop::TensorStorage mainloop;
   };
   struct SharedStorage {
-    std::conditional_t<kPersistentCapable, TensorsWithO, TensorsWithoutO> tensors;
+    std::conditional_t<kOwnOBuffer, TensorsWithO, TensorsWithoutO> tensors;
     typename Mainloop::BarrierStorage barriers;
+    // Persistent CTAs: the producer publishes each tile here (double-buffered by tile iteration) before
+    // arming Q's barrier; block -1 ends the walk.
+    TileCoord tile_slots[2];
   };
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
-  static_assert(kSharedStorageBytes <= kSmemLimit, "shared memory over the sm90 limit");
+  static_assert(kSharedStorageBytes <= Policy::kSmemLimit, "shared memory over the sm90 limit");
 
   struct Params {
     typename Mainloop::Params mainloop;
     typename Epilogue::Params epilogue;
-    int seqlen_q, nheads, batch;
+    // Built on the host: the device reads its fields from the parameter bank instead of holding them in
+    // registers.
+    Scheduler scheduler;
   };
 
   static Params to_params(FwdParams const& p) {
-    return {Mainloop::to_params(p), Epilogue::to_params(p), p.seqlen_q, p.nheads, p.batch};
-  }
-
-  static dim3 grid(FwdParams const& p, int num_sms) {
-    bool persistent = kPersistentCapable && ceil_div(p.seqlen_k, kBlockN) <= kPersistentMaxBlocks;
-    if (p.persistent >= 0) { persistent = kPersistentCapable && p.persistent != 0; }
-    return Scheduler(p.seqlen_q, p.nheads, p.batch, kLongestFirst).grid(persistent, num_sms);
+    return {Mainloop::to_params(p), Epilogue::to_params(p), Policy::scheduler(p)};
   }
 
   __device__ static void run(Params const& params, char* smem) {
@@ -107,68 +154,94 @@ struct FwdKernel {
     auto pipelines = Mainloop::make_pipelines(storage.barriers, warp_group_idx == 0, is_producer_thread);
     __syncthreads();
 
-    Scheduler const scheduler(params.seqlen_q, params.nheads, params.batch, kLongestFirst);
-    auto for_each_tile = [&](auto&& body) {
-      if constexpr (kPersistentCapable) {
-        int iteration = 0;
-        for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t), ++iteration) { body(t, iteration); }
-      } else {
-        body(scheduler.first(), 0);
-      }
-    };
+    Scheduler const& scheduler = params.scheduler;
     auto n_block_max = [&](TileCoord const& tile) {
       return Blocks::n_block_max(tile.block, params.mainloop.seqlen_q, params.mainloop.seqlen_k);
     };
 
     if (warp_group_idx == 0) {
-      cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       // One thread issues the TMA loads; FP8: warps 1-3 transpose V.
       if (is_producer_thread) {
         typename Mainloop::PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
-        for_each_tile([&](int t, int iteration) {
-          TileCoord const tile = scheduler.coord(t);
-          Mainloop::template load<kPersistentCapable>(params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines,
-                                                      write_state, tile, n_block_max(tile), iteration);
-        });
+        if constexpr (kPersistent) {
+          int iteration = 0;
+          for (int t = scheduler.first(); scheduler.valid(t); ++iteration) {
+            int const t_next = scheduler.next(t);  // a dynamic draw's latency hides behind this tile's loads
+            TileCoord const tile = scheduler.coord(t);
+            Mainloop::template load</*kLoopsOverTiles=*/true>(
+                params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, n_block_max(tile),
+                iteration, [&storage, slot = iteration & 1, tile] { storage.tile_slots[slot] = tile; });
+            t = t_next;
+          }
+          Mainloop::load_end(storage.barriers, iteration,
+                             [&storage, slot = iteration & 1] { storage.tile_slots[slot] = TileCoord{-1, 0, 0}; });
+        } else {
+          TileCoord const tile = scheduler.coord(scheduler.first());
+          Mainloop::template load</*kLoopsOverTiles=*/false>(params.mainloop, storage.tensors.mainloop, storage.barriers,
+                                                             pipelines, write_state, tile, n_block_max(tile), 0, [] {});
+        }
       } else if (Mainloop::kTransposeV && warp_idx > 0) {
+        static_assert(!(kPersistent && Mainloop::kTransposeV), "the transposing warps compute one tile");
         typename Mainloop::TransposeState state;
-        for_each_tile([&](int t, int) {
-          Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, state, n_block_max(scheduler.coord(t)),
-                                   int(threadIdx.x) - cutlass::NumThreadsPerWarp);
-        });
+        Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, state,
+                                 n_block_max(scheduler.coord(scheduler.first())), int(threadIdx.x) - cutlass::NumThreadsPerWarp);
       }
     } else {
-      cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
       typename Mainloop::PipelineState read_k;  // consumer states start at stage 0, phase 0
       typename Mainloop::PipelineStateV read_v;
-      typename Config::ElementOut* smem_o;
-      if constexpr (kPersistentCapable) {
-        smem_o = storage.tensors.epilogue.smem_o.data();
-      } else if constexpr (kStageOInVt) {
-        smem_o = reinterpret_cast<typename Config::ElementOut*>(Mainloop::smem_vt(storage.tensors.mainloop));
-      } else {
-        smem_o = storage.tensors.mainloop.smem_q.data();
-      }
-      for_each_tile([&](int t, int iteration) {
-        TileCoord const tile = scheduler.coord(t);
+      using ElementOut = typename Config::ElementOut;
+      // Where O is staged; kOInVStage: the V stage of the tile's last GEMM1, the one before read_v's.
+      auto smem_o = [&] {
+        if constexpr (kOwnOBuffer) {
+          return storage.tensors.epilogue.smem_o.data();
+        } else if constexpr (kOInVStage) {
+          int const last_v_stage = (read_v.index() + Mainloop::kStages - 1) % Mainloop::kStages;
+          return reinterpret_cast<ElementOut*>(Mainloop::smem_v_stage(storage.tensors.mainloop, last_v_stage));
+        } else if constexpr (kStageOInVt) {
+          return reinterpret_cast<ElementOut*>(Mainloop::smem_vt(storage.tensors.mainloop));
+        } else {
+          return storage.tensors.mainloop.smem_q.data();
+        }
+      };
+      // One tile whose Q has landed.
+      auto compute_tile = [&](TileCoord const& tile) {
         int const n_blocks = n_block_max(tile);
         typename Mainloop::TiledMmaPV tiled_mma_pv;
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 2>(typename Mainloop::TileShapeMNK{}));
         auto const scales = Mainloop::tile_scales(params.mainloop, tile);
         Softmax<2 * decltype(size<1>(tOrO))::value, Config::kMaxOffset> softmax(scales.softmax_scale_log2);
-        Mainloop::wait_q(storage.barriers, iteration);
         if (n_blocks > 0) {
-          Mainloop::mma(params.mainloop, storage.tensors.mainloop, pipelines, read_k, read_v, tile, n_blocks, thread_idx,
-                        tOrO, softmax);
+          Mainloop::template mma<kOInVStage>(params.mainloop, storage.tensors.mainloop, pipelines, read_k, read_v, tile,
+                                              n_blocks, thread_idx, tOrO, softmax);
         } else {
+          static_assert(!kOInVStage || !kIsCausal, "kOInVStage needs a GEMM1 in every tile: non-causal tiles see a key");
           clear(tOrO);  // no key visible to any row: O = 0, and finalize gives LSE = -inf
         }
         auto scores_scale = softmax.finalize(scales.o_scale);
         softmax.rescale_o(tOrO, scores_scale);
-        Epilogue::store(params.epilogue, smem_o, tile, thread_idx, tOrO, softmax.row_sum,
+        Epilogue::store(params.epilogue, smem_o(), tile, thread_idx, tOrO, softmax.row_sum,
                         [&] { Mainloop::release_q(storage.barriers); });
-      });
+      };
+      if constexpr (kPersistent) {
+        for (int iteration = 0;; ++iteration) {
+          Mainloop::wait_q(storage.barriers, iteration);  // also publishes the tile (or the end)
+          if (kOInVStage && iteration > 0 && thread_idx == 0) {
+            // The previous tile's O stage, once its store has read it (it had the time of this Q load).
+            tma_store_wait<0>();
+            Mainloop::release_v_stage(pipelines, (read_v.index() + Mainloop::kStages - 1) % Mainloop::kStages);
+          }
+          TileCoord const volatile& slot = storage.tile_slots[iteration & 1];
+          TileCoord const tile{slot.block, slot.head, slot.batch};
+          if (tile.block < 0) { break; }
+          compute_tile(tile);
+        }
+      } else {
+        Mainloop::wait_q(storage.barriers, 0);
+        compute_tile(scheduler.coord(scheduler.first()));
+      }
       Epilogue::finish(thread_idx);
     }
   }

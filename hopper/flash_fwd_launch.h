@@ -13,16 +13,34 @@
 namespace flash {
 
 template <class Element, int kHeadDim, bool kIsCausal>
-void run_flash_fwd(FwdParams const& p, cudaStream_t stream) {
-  using Kernel = FwdKernel<FwdConfig<Element, kHeadDim, kIsCausal>>;
-  int const device = current_device();
-  launch_kernel<Kernel>(Kernel::grid(p, num_sms(device)), Kernel::to_params(p), device, stream);
-}
+struct FwdLauncher {
+  using Config = FwdConfig<Element, kHeadDim, kIsCausal>;
+  using Policy = FwdLaunchPolicy<Config>;
+
+  static size_t workspace_bytes(FwdParams const& p) { return Policy::workspace_bytes(p); }
+
+  static void run(FwdParams const& p, cudaStream_t stream) {
+    int const device = current_device();
+    auto const mode = Policy::launch_mode(p);
+    dim3 const grid = Policy::scheduler(p).grid(mode.persistent, num_sms(device));
+    if constexpr (Policy::kPersistentCapable) {
+      if (mode.persistent) {
+        if (mode.dynamic) { FLASH_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, Policy::workspace_bytes(p), stream)); }
+        using Kernel = FwdKernel<Config, /*kPersistent=*/true>;
+        launch_kernel<Kernel>(grid, Kernel::to_params(p), device, stream);
+        return;
+      }
+    }
+    using Kernel = FwdKernel<Config, /*kPersistent=*/false>;
+    launch_kernel<Kernel>(grid, Kernel::to_params(p), device, stream);
+  }
+};
 
 template <class Element, int kHeadDim, bool kIsCausal>
 struct FwdKernelRegistration : KernelRegistration<FwdParams> {
+  using Launcher = FwdLauncher<Element, kHeadDim, kIsCausal>;
   FwdKernelRegistration()
-      : KernelRegistration<FwdParams>(kHeadDim, dtype_name<Element>(), kIsCausal, &run_flash_fwd<Element, kHeadDim, kIsCausal>) {}
+      : KernelRegistration<FwdParams>(kHeadDim, dtype_name<Element>(), kIsCausal, &Launcher::run, &Launcher::workspace_bytes) {}
 };
 
 }  // namespace flash

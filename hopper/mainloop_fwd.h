@@ -254,12 +254,13 @@ struct FwdMainloop {
 
   // Loads one tile: Q and its K/V blocks [0, n_block_max), last block first. When CTAs loop over tiles
   // (kLoopsOverTiles) the first K block goes before Q, whose buffer the previous tile may still hold: that K
-  // load overlaps the previous epilogue. A tile that sees no key still gets its Q, so that the Q barriers
-  // stay in step with the consumers. Called by the TMA thread.
-  template <bool kLoopsOverTiles>
+  // load overlaps the previous epilogue; `publish_tile` runs once the consumers are done with the previous
+  // tile and before Q's barrier is armed (they read the tile's number after waiting for Q). A tile that sees
+  // no key still gets its Q, so that the Q barriers stay in step with the consumers. Called by the TMA thread.
+  template <bool kLoopsOverTiles, class PublishTile>
   __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers,
                               Pipelines& pipelines, PipelineState& write_state, TileCoord const& tile, int n_block_max,
-                              int tile_iteration) {
+                              int tile_iteration, PublishTile&& publish_tile) {
     PipelineKV& pipeline_k = pipelines.k;
     PipelineKV& pipeline_v = pipelines.v;
     Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
@@ -300,6 +301,7 @@ struct FwdMainloop {
     if constexpr (kLoopsOverTiles) {
       if (has_keys) { load_k(n_block_max - 1); }
       if (tile_iteration > 0) { barriers.barrier_q_empty.wait((tile_iteration - 1) & 1); }
+      publish_tile();
     }
     using BarrierType = typename BarrierQ::ValueType;
     barriers.barrier_q.arrive_and_expect_tx(kTmaBytesQ);
@@ -313,11 +315,21 @@ struct FwdMainloop {
     }
   }
 
+  // CTAs that loop over tiles: instead of a further tile's Q, completes Q's barrier with no data once the
+  // consumers are done with the last tile; they find no tile after `publish_end` and stop. TMA thread.
+  template <class PublishEnd>
+  __device__ static void load_end(BarrierStorage& barriers, int tile_iteration, PublishEnd&& publish_end) {
+    if (tile_iteration > 0) { barriers.barrier_q_empty.wait((tile_iteration - 1) & 1); }
+    publish_end();
+    barriers.barrier_q.arrive();
+  }
+
   __device__ static void wait_q(BarrierStorage& barriers, int tile_iteration) { barriers.barrier_q.wait(tile_iteration & 1); }
 
   // Computes the un-normalised O of the tile into tOrO and leaves the softmax state ready for finalize.
-  // Requires n_block_max > 0 and Q in shared memory (wait_q).
-  template <class FragO, class SoftmaxT>
+  // Requires n_block_max > 0 and Q in shared memory (wait_q). With kHoldLastV consumer thread 0 keeps the V
+  // stage the last GEMM1 read (the epilogue stages O there) until release_v_stage.
+  template <bool kHoldLastV, class FragO, class SoftmaxT>
   __device__ static void mma(Params const& params, TensorStorage& tensors, Pipelines& pipelines,
                              PipelineState& read_k, PipelineStateV& read_v, TileCoord const& tile, int n_block_max,
                              int thread_idx, FragO& tOrO, SoftmaxT& softmax) {
@@ -393,9 +405,19 @@ struct FwdMainloop {
     // GEMM1 of the last block.
     pipeline_v.consumer_wait(read_v);
     warpgroup_gemm<0>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO, zero_init_o);
-    pipeline_v.consumer_release(read_v);
+    // The stage is free once every consumer thread has arrived; thread 0's arrival can wait for O's store.
+    if (!kHoldLastV || thread_idx != 0) { pipeline_v.consumer_release(read_v); }
     ++read_v;
   }
+
+  // 16-bit V: the first element of a stage, and the held stage handed back (consumer thread 0).
+  __device__ static Element* smem_v_stage(TensorStorage& tensors, int stage) {
+    return tensors.smem_v.data() + stage * int(size(take<0, 2>(SmemLayoutV{})));
+  }
+  __device__ static void release_v_stage(Pipelines& pipelines, int stage) {
+    pipelines.v.consumer_release(PipelineState(stage, 0, 0));
+  }
+  static constexpr int kSmemBytesVStage = int(size(take<0, 2>(SmemLayoutV{})) * sizeof(Element));
 };
 
 }  // namespace flash

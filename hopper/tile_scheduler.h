@@ -1,17 +1,26 @@
 // Which tiles (block, head, batch) a CTA computes. A tile is one block of kBlock rows of the dimension the
 // kernel is parallel over: query blocks in the forward, K/V blocks in the backward.
 //
-// Tiles are numbered with the block fastest, then head, then batch, so CTAs running together share a
-// head's data in L2; `reverse` numbers the blocks last first (the forward's causal query blocks grow with
-// the block index, so it starts the longest first). The grid is 1-D and CTA c computes tiles c,
-// c + gridDim.x, ...; the host picks the grid size:
-//  - one CTA per tile: the hardware hands tiles to SMs as they free up, which balances uneven (causal)
-//    tiles and run-to-run SM speed differences; best for long sequences;
-//  - persistent, one CTA per SM: the producer loads the next tile while the consumers finish the last one,
-//    which hides the fixed per-tile costs that dominate short sequences.
+// Tile order. (head, batch) pairs are taken in groups of `heads_per_group` (head fastest, so query heads
+// sharing a K/V head are neighbours); within a group the block index is the slowest: every pair's first
+// block, then every pair's second, ... With one pair per group this is "blocks of one head together",
+// which keeps that head's K/V hot in L2. `reverse` numbers the blocks last first: the forward's causal
+// query blocks grow with the block index, so the longest tiles of a whole group come first, and the host
+// sizes the group so that its K/V stays in L2 (l2_heads_per_group).
+//
+// Launch modes (the host picks the grid size):
+//  - one CTA per tile: CTA c computes tile c; the hardware hands CTAs to SMs as they free up;
+//  - persistent, one CTA per SM: CTA c starts with tile c and takes its next one either statically
+//    (c + gridDim.x, + 2 gridDim.x, ...: equal tiles) or dynamically from a global counter (`counter`,
+//    zeroed before the launch: uneven causal tiles, taken longest first, so the SMs finish together). The
+//    producer loads the next tile while the consumers finish the last one, which hides the fixed per-tile
+//    costs that dominate short sequences.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
 
 #include "utils.h"
 
@@ -23,24 +32,51 @@ struct TileCoord {
 
 template <int kBlock>
 struct TileScheduler {
-  int const num_blocks, nheads, num_tiles;
+  int const num_blocks, nheads, num_head_batch, num_tiles;
   bool const reverse;
+  int const heads_per_group;  // (head, batch) pairs per group; 1 = one head's blocks together
+  int* const counter;         // persistent launches with a dynamic tile order; nullptr = static
 
-  __host__ __device__ TileScheduler(int seqlen, int nheads_, int batch, bool reverse_)
-      : num_blocks(ceil_div(seqlen, kBlock)), nheads(nheads_), num_tiles(num_blocks * nheads_ * batch), reverse(reverse_) {}
+  __host__ __device__ TileScheduler(int seqlen, int nheads_, int batch, bool reverse_, int heads_per_group_ = 1,
+                                    int* counter_ = nullptr)
+      : num_blocks(ceil_div(seqlen, kBlock)),
+        nheads(nheads_),
+        num_head_batch(nheads_ * batch),
+        num_tiles(num_blocks * nheads_ * batch),
+        reverse(reverse_),
+        heads_per_group(heads_per_group_),
+        counter(counter_) {}
 
   dim3 grid(bool persistent, int num_sms) const {
-    return dim3(unsigned(persistent ? min(num_tiles, num_sms) : num_tiles));
+    return dim3(unsigned(persistent ? std::min(num_tiles, num_sms) : num_tiles));
+  }
+
+  // (head, batch) pairs per group whose K and V (kv_bytes_per_head each pair's K/V head) fit in a share of
+  // L2 (the H100/H200 have 50 MB; the other half holds Q, O and the other CTAs' traffic).
+  static int l2_heads_per_group(int64_t kv_bytes_per_head, int qheads_per_kvhead, int num_head_batch) {
+    constexpr int64_t kL2Budget = int64_t(24) << 20;
+    int64_t const kv_heads = std::max<int64_t>(1, kL2Budget / std::max<int64_t>(1, kv_bytes_per_head));
+    return int(std::min<int64_t>(kv_heads * qheads_per_kvhead, num_head_batch));
   }
 
   __device__ __forceinline__ int first() const { return int(blockIdx.x); }
-  __device__ __forceinline__ int next(int tile) const { return tile + int(gridDim.x); }
   __device__ __forceinline__ bool valid(int tile) const { return tile < num_tiles; }
+  // The tile after `tile` for this CTA (persistent launches). The dynamic draw is an atomic: issue it early
+  // and read its result late. Each CTA stops drawing at its first invalid tile, so a launch draws exactly
+  // num_tiles times.
+  __device__ __forceinline__ int next(int tile) const {
+    return counter != nullptr ? int(gridDim.x) + atomicAdd(counter, 1) : tile + int(gridDim.x);
+  }
 
-  __device__ __forceinline__ TileCoord coord(int tile) const {
-    int const block = tile % num_blocks;
-    int const head_batch = tile / num_blocks;
-    return {reverse ? num_blocks - 1 - block : block, head_batch % nheads, head_batch / nheads};
+  __host__ __device__ __forceinline__ TileCoord coord(int tile) const {
+    int const tiles_per_group = heads_per_group * num_blocks;
+    int const group = tile / tiles_per_group;
+    int const in_group = tile - group * tiles_per_group;
+    int const group_start = group * heads_per_group;
+    int const group_size = heads_per_group < num_head_batch - group_start ? heads_per_group : num_head_batch - group_start;
+    int const level = in_group / group_size;
+    int const head_batch = group_start + (in_group - level * group_size);
+    return {reverse ? num_blocks - 1 - level : level, head_batch % nheads, head_batch / nheads};
   }
 };
 

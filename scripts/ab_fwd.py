@@ -3,7 +3,9 @@
 Variants: the main build (torch.ops.flash_ext) and any side-by-side builds (scripts/build_variant.sh,
 torch.ops.flash_ext_<name>), each with a run-time switch on and off (--toggle: FLASH_EXT_PINGPONG, the
 consumer warpgroup ping-pong, or FLASH_EXT_PERSISTENT, the persistent launch).
-Every variant is checked against the float64 reference on a slice before it is timed.
+Every variant is checked against the float64 reference on a slice before it is timed, and its whole output
+is compared with the main build's (the same arithmetic per tile gives the same bits, whatever the launch;
+a difference is printed).
 
     PYTHONPATH=$PWD python3 scripts/ab_fwd.py --variants m128 --headdims 64,128,256 --seqlens 1024,8192
 """
@@ -58,6 +60,7 @@ def main():
                 ref, _ = attention_ref(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], causal=causal)
                 err_pt = (attention_lowp(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], causal=causal).double() - ref).abs().max().item()
                 row = f"d{d} {'C' if causal else 'N'} s{s:<10}"
+                out_main = None  # every variant's whole output must equal the main build's default launch
                 for name, ns in ops.items():
                     for on in settings:
                         if on is not None:
@@ -65,9 +68,14 @@ def main():
                         try:
                             out, _ = ns.fwd(q, k, v, scale, causal)
                             err = (out[:1, :, :2].double() - ref).abs().max().item()
+                            if out_main is None:
+                                out_main = out
                             if not err <= 2 * err_pt + 1e-3:
                                 row += f"{'WRONG':>14}"
                                 continue
+                            if not torch.equal(out, out_main):
+                                diff = (out.float() - out_main.float()).abs().max().item()
+                                print(f"    {name} {on}: output differs from main's, max |diff| {diff:.3g}")
                             ms = timed(lambda: ns.fwd(q, k, v, scale, causal))
                             row += f"{flops / ms / 1e9:>14.1f}"
                         except RuntimeError as e:

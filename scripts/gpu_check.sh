@@ -6,8 +6,12 @@
 #   BENCH=full / BENCH=0                          the default forward grid / no benchmark
 #   BWD_BENCH=1                                   also the backward benchmark (d64/d128/d256 at 8k, both masks)
 #   AB=v0                                         also scripts/ab_fwd.py against variant build(s) v0,...
+#                                                 (AB_TOGGLE=FLASH_EXT_PERSISTENT times both launch forms; AB_SEQLENS)
 #   AB_BWD=b0                                     also scripts/ab_bwd.py against variant build(s) b0,...
-#   MEMCHECK=1                                    also compute-sanitizer memcheck over every backward kernel
+#   MEMCHECK=1                                    also compute-sanitizer memcheck over every 16-bit forward kernel
+#                                                 (both launch forms) and every backward kernel
+#   GRID16=1                                      also the fp16 forward grid and GQA (nheads_kv = nheads / 8) at d128
+#   OVERHEAD=1                                    also scripts/call_overhead.py (host and GPU time of a tiny call)
 #   FP8=1                                         also the FP8 benchmark (fp8 vs our bf16, 8k, d64/128/256, both masks),
 #                                                 memcheck over every FP8 kernel, and the accuracy table
 #                                                 (FP8_VARIANT=off0: a -DFLASH_EXT_FP8_MAX_OFFSET=0 variant build)
@@ -44,19 +48,28 @@ if [ -n "${AB_BWD:-}" ]; then
   step ab_bwd ${BENCH_S:-240} python3 scripts/ab_bwd.py --variants "$AB_BWD" --headdims 64,128 --seqlens 2048,8192
 fi
 if [ -n "${AB:-}" ]; then
-  step ab_fwd ${BENCH_S:-240} python3 scripts/ab_fwd.py --variants "$AB" --toggle none --headdims 64,128,256 \
-    --seqlens 512,1024,2048,4096,8192,16384
+  step ab_fwd ${BENCH_S:-240} python3 scripts/ab_fwd.py --variants "$AB" --toggle ${AB_TOGGLE:-none} --headdims 64,128,256 \
+    --seqlens ${AB_SEQLENS:-512,1024,2048,4096,8192,16384}
 fi
 case "${BENCH:-quick}" in
   0) ;;
   full) step bench ${BENCH_S:-240} python3 -m flash_ext.benchmark --mode fwd --out "$out" --no-progress ;;
   *) step bench ${BENCH_S:-240} python3 -m flash_ext.benchmark --quick --mode fwd --out "$out" --no-progress ;;
 esac
+if [ "${GRID16:-0}" != 0 ]; then
+  step bench_fp16 ${BENCH_S:-240} python3 -m flash_ext.benchmark --mode fwd --dtype fp16 --out "$out" --name bench_fp16 --no-progress
+  step bench_gqa ${BENCH_S:-240} python3 -m flash_ext.benchmark --mode fwd --headdims 128 --gqa 8 --out "$out" --name bench_gqa \
+    --no-progress
+fi
+if [ "${OVERHEAD:-0}" != 0 ]; then
+  step call_overhead ${BENCH_S:-240} python3 scripts/call_overhead.py
+fi
 if [ "${BWD_BENCH:-0}" != 0 ]; then
   step bench_bwd ${BENCH_S:-240} python3 -m flash_ext.benchmark --mode bwd --headdims 64,128,256 --seqlens 8k --causal both \
     --out "$out" --name bench_bwd --no-progress
 fi
 if [ "${MEMCHECK:-0}" != 0 ]; then
+  step memcheck_fwd ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fwd.py
   step memcheck_bwd ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_bwd.py
 fi
 if [ "${FP8:-0}" != 0 ]; then

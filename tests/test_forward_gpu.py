@@ -164,6 +164,40 @@ def test_forward_launch_modes(headdim, causal, persistent, monkeypatch):
     _check_against_reference(q, k, v, causal)
 
 
+@pytest.mark.parametrize("persistent", ["0", "1"], ids=["one_cta_per_tile", "persistent"])
+def test_forward_causal_tile_groups(persistent, monkeypatch):
+    """Causal tiles are taken longest first within groups of heads whose K/V fit in L2: 12000 keys of d128
+    make groups of 4 K/V heads (12 query heads here), so 15 query heads end in a partial group; persistent
+    CTAs draw them from a counter that every call clears (two calls, the same bits)."""
+    monkeypatch.setenv("FLASH_EXT_PERSISTENT", persistent)
+    q, k, v = _make_qkv(1, 600, 12000, 15, 5, 128, torch.bfloat16, seed=21)
+    _check_against_reference(q, k, v, causal=True)
+    out1, lse1 = flash_ext.forward(q, k, v, causal=True)
+    out2, lse2 = flash_ext.forward(q, k, v, causal=True)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_cuda_graph(causal):
+    """Captured in a CUDA graph (the tile counter's clearing included) and replayed on new values."""
+    _require_kernel(64, torch.bfloat16, causal)
+    q, k, v = _make_qkv(4, 700, 700, 8, 2, 64, torch.bfloat16, seed=31)
+    flash_ext.forward(q, k, v, causal=causal)  # first call outside the capture: lazy initialisation
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flash_ext.forward(q, k, v, causal=causal)
+    for seed in (32, 33):
+        q2, k2, v2 = _make_qkv(4, 700, 700, 8, 2, 64, torch.bfloat16, seed=seed)
+        q.copy_(q2)
+        k.copy_(k2)
+        v.copy_(v2)
+        graph.replay()
+        expected, expected_lse = flash_ext.forward(q2, k2, v2, causal=causal)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+
+
 def test_forward_many_heads_and_batches():
     """Many more tiles than SMs (batch 17, 48 heads), with GQA."""
     q, k, v = _make_qkv(17, 70, 90, 48, 6, 64, torch.float16, seed=5)

@@ -1,0 +1,59 @@
+"""Per-call cost of a tiny forward (b1 h1 s128 d128 bf16), flash_ext beside SDPA's backends.
+
+  host us/call: a tight loop of launches without synchronisation, wall time / calls (the Python wrapper,
+                the op's checks and the launch; the GPU keeps up, so the loop is host-bound);
+  GPU us/call:  do_bench's median (CUDA events around the call).
+
+    PYTHONPATH=$PWD python3 scripts/call_overhead.py [--causal]
+"""
+import argparse
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_ext
+
+
+def host_us(fn, calls=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def gpu_us(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--seqlen", type=int, default=128)
+    args = parser.parse_args()
+    q, k, v = (torch.randn(1, args.seqlen, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    candidates = [
+        ("flash_ext.forward", lambda: flash_ext.forward(q, k, v, causal=args.causal), None),
+        ("torch.ops.flash_ext.fwd", lambda: torch.ops.flash_ext.fwd(q, k, v, 128 ** -0.5, args.causal), None),
+    ]
+    sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)  # noqa: E731
+    candidates += [("SDPA cuDNN", sdpa, SDPBackend.CUDNN_ATTENTION), ("SDPA flash", sdpa, SDPBackend.FLASH_ATTENTION)]
+    print(f"b1 h1 s{args.seqlen} d128 bf16 {'causal' if args.causal else 'non-causal'}")
+    print(f"{'call':<26}{'host us/call':>14}{'GPU us/call':>14}")
+    for name, fn, backend in candidates:
+        with contextlib.nullcontext() if backend is None else sdpa_kernel(backend):  # backend chosen outside the loop
+            print(f"{name:<26}{host_us(fn):>14.1f}{gpu_us(fn):>14.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Runs every compiled 16-bit forward kernel in both launch forms (one CTA per tile, persistent:
+FLASH_EXT_PERSISTENT=0/1) on small odd shapes (GQA, partial last blocks, causal rows that see no key,
+many tiles per persistent CTA), without reference computations: the workload for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fwd.py
+"""
+import os
+
+import torch
+
+import flash_ext
+
+SHAPES = [(1, 129, 257, 4, 2), (2, 300, 50, 2, 1), (3, 700, 700, 16, 4)]  # (batch, sq, sk, nheads, nheads_kv)
+
+
+def main():
+    for d in flash_ext.kernel_table.HEADDIMS_BY_DIRECTION["fwd"]:
+        for dtype in (torch.float16, torch.bfloat16):
+            for causal in (False, True):
+                if not flash_ext.has_kernel("fwd", d, dtype, causal):
+                    continue
+                for persistent in ("0", "1"):
+                    os.environ["FLASH_EXT_PERSISTENT"] = persistent
+                    for b, sq, sk, h, hkv in SHAPES:
+                        q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+                        k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+                        out, lse = flash_ext.forward(q, k, v, causal=causal)
+                        assert torch.isfinite(out).all()
+                    torch.cuda.synchronize()
+                    print(f"d{d} {dtype} causal={causal} persistent={persistent}: ran", flush=True)
+    os.environ.pop("FLASH_EXT_PERSISTENT", None)
+
+
+if __name__ == "__main__":
+    main()
