@@ -46,7 +46,7 @@ struct FwdLaunchPolicy {
                                      EpilogueAsync::kSmemBytes <= Mainloop::kSmemBytesVStage;
   static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage;
   // Persistent while a tile has at most this many K/V blocks (measured: perf-notes section 15).
-  static constexpr int kPersistentMaxBlocks = Config::kIsCausal ? 16 : 8;
+  static constexpr int kPersistentMaxBlocks = 16;
 
   using Scheduler = TileScheduler<Config::kBlockM>;
   static constexpr bool kLongestFirst = Config::kIsCausal;  // causal query blocks grow with the block index
@@ -71,6 +71,13 @@ struct FwdLaunchPolicy {
     return Scheduler(p.seqlen_q, p.nheads, p.batch, kLongestFirst, heads_per_group, counter);
   }
 };
+
+// threadIdx.x - 128 (the consumer index), which the compiler cannot move across loop iterations.
+__device__ __forceinline__ int opaque_thread_idx() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid - cutlass::NumThreadsPerWarpGroup;
+}
 
 template <class Config, bool kPersistent>
 struct FwdKernel {
@@ -208,6 +215,9 @@ struct FwdKernel {
       };
       // One tile whose Q has landed.
       auto compute_tile = [&](TileCoord const& tile) {
+        // The thread index read again per tile: ptxas otherwise hoists per-thread offsets out of the tile
+        // loop and spills them (d128 non-causal, 8 bytes).
+        int const tidx = kPersistent ? opaque_thread_idx() : thread_idx;
         int const n_blocks = n_block_max(tile);
         typename Mainloop::TiledMmaPV tiled_mma_pv;
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 2>(typename Mainloop::TileShapeMNK{}));
@@ -215,14 +225,14 @@ struct FwdKernel {
         Softmax<2 * decltype(size<1>(tOrO))::value, Config::kMaxOffset> softmax(scales.softmax_scale_log2);
         if (n_blocks > 0) {
           Mainloop::template mma<kOInVStage>(params.mainloop, storage.tensors.mainloop, pipelines, read_k, read_v, tile,
-                                              n_blocks, thread_idx, tOrO, softmax);
+                                              n_blocks, tidx, tOrO, softmax);
         } else {
           static_assert(!kOInVStage || !kIsCausal, "kOInVStage needs a GEMM1 in every tile: non-causal tiles see a key");
           clear(tOrO);  // no key visible to any row: O = 0, and finalize gives LSE = -inf
         }
         auto scores_scale = softmax.finalize(scales.o_scale);
         softmax.rescale_o(tOrO, scores_scale);
-        Epilogue::store(params.epilogue, smem_o(), tile, thread_idx, tOrO, softmax.row_sum,
+        Epilogue::store(params.epilogue, smem_o(), tile, tidx, tOrO, softmax.row_sum,
                         [&] { Mainloop::release_q(storage.barriers); });
       };
       if constexpr (kPersistent) {
