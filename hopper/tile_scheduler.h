@@ -5,8 +5,8 @@
 // sharing a K/V head are neighbours); within a group the block index is the slowest: every pair's first
 // block, then every pair's second, ... With one pair per group this is "blocks of one head together",
 // which keeps that head's K/V hot in L2. `reverse` numbers the blocks last first: the forward's causal
-// query blocks grow with the block index, so the longest tiles of a whole group come first, and the host
-// sizes the group so that its K/V stays in L2 (l2_heads_per_group).
+// query blocks grow with the block index, so the longest tiles of a whole group come first; persistent
+// causal launches size the group so that its K/V stays in L2 (l2_heads_per_group).
 //
 // Launch modes (the host picks the grid size):
 //  - one CTA per tile: CTA c computes tile c; the hardware hands CTAs to SMs as they free up;
