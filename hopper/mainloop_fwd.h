@@ -255,7 +255,7 @@ struct FwdMainloop {
   // Loads one tile: Q and its K/V blocks [0, n_block_max), last block first. When CTAs loop over tiles
   // (kLoopsOverTiles) the first K block goes before Q, whose buffer the previous tile may still hold: that K
   // load overlaps the previous epilogue; `publish_tile` runs once the consumers are done with the previous
-  // tile and before Q's barrier is armed (they read the tile's number after waiting for Q). A tile that sees
+  // tile and before Q's barrier is armed (they read the tile's coordinates after waiting for Q). A tile that sees
   // no key still gets its Q, so that the Q barriers stay in step with the consumers. Called by the TMA thread.
   template <bool kLoopsOverTiles, class PublishTile>
   __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers,
