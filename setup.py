@@ -6,6 +6,7 @@ Build switches (environment variables), so a developer can rebuild one kernel in
   FLASH_EXT_DTYPES     comma list from fp16,bf16,e4m3 (default: all; e4m3 = FP8, forward only)
   FLASH_EXT_CAUSAL     comma list from 0,1: non-causal and/or causal kernels (default: both)
   FLASH_EXT_BACKWARD   1/0: compile the backward kernels (default 1)
+  FLASH_EXT_FORWARD    1/0: compile the forward kernels (default 1; 0 for backward-only variant builds)
   FLASH_EXT_PTXAS_V    1: print ptxas resource usage (registers, spills, smem) for every kernel
   MAX_JOBS             parallel compile jobs (honoured by torch's ninja build)
   CUDA_HOME            CUDA toolkit (default: /usr/local/cuda, else the directory above `nvcc`)
@@ -83,7 +84,8 @@ def _selected_kernels():
     kernel_hdims = {direction: {table.kernel_headdim(h, direction) for h in hdims} for direction in table.HEADDIMS_BY_DIRECTION}
     dtypes = _parse_list("FLASH_EXT_DTYPES", tuple(table.DTYPES), tuple(table.DTYPES))
     causal = [c == "1" for c in _parse_list("FLASH_EXT_CAUSAL", ("0", "1"), ("0", "1"))]
-    directions = ["fwd"] + (["bwd"] if _parse_list("FLASH_EXT_BACKWARD", ("0", "1"), ("1",)) == ["1"] else [])
+    directions = [direction for direction, switch in (("fwd", "FLASH_EXT_FORWARD"), ("bwd", "FLASH_EXT_BACKWARD"))
+                  if _parse_list(switch, ("0", "1"), ("1",)) == ["1"]]
     sources = []
     for entry in table.all_kernels():
         path = ROOT / "hopper" / "instantiations" / entry.file_name

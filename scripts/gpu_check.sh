@@ -8,6 +8,7 @@
 #   AB=v0                                         also scripts/ab_fwd.py against variant build(s) v0,...
 #                                                 (AB_TOGGLE=FLASH_EXT_PERSISTENT times both launch forms; AB_SEQLENS)
 #   AB_BWD=b0                                     also scripts/ab_bwd.py against variant build(s) b0,...
+#                                                 (AB_BWD_HEADDIMS=64,128, AB_BWD_SEQLENS=2048,8192)
 #   MEMCHECK=1                                    also compute-sanitizer memcheck over every 16-bit forward kernel
 #                                                 (both launch forms) and every backward kernel
 #   GRID16=1                                      also the fp16 forward grid and GQA (nheads_kv = nheads / 8) at d128
@@ -45,7 +46,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   grep -E "passed|failed" "$out/pytest.log" | tail -n 1 | tee -a "$out/summary.txt"
 fi
 if [ -n "${AB_BWD:-}" ]; then
-  step ab_bwd ${BENCH_S:-240} python3 scripts/ab_bwd.py --variants "$AB_BWD" --headdims 64,128 --seqlens 2048,8192
+  step ab_bwd ${BENCH_S:-240} python3 scripts/ab_bwd.py --variants "$AB_BWD" --headdims ${AB_BWD_HEADDIMS:-64,128} --seqlens ${AB_BWD_SEQLENS:-2048,8192}
 fi
 if [ -n "${AB:-}" ]; then
   step ab_fwd ${BENCH_S:-240} python3 scripts/ab_fwd.py --variants "$AB" --toggle ${AB_TOGGLE:-none} --headdims 64,128,256 \
