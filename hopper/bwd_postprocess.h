@@ -4,6 +4,8 @@
 // same TiledMma's coordinates.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 
 #include "flash.h"
@@ -12,7 +14,7 @@ namespace flash {
 
 using namespace cute;
 
-template <class Element, int kBlockM, int kHeadDim, class TiledMmadQ, int kNumMmaThreads>
+template <class Element, int kBlockM, int kHeadDim, class TiledMmadQ, bool kTransposed, int kNumMmaThreads>
 struct BwdPostprocess {
   static constexpr int kNumThreads = kNumMmaThreads;
   static constexpr int kMinBlocksPerSm = 2;
@@ -36,7 +38,9 @@ struct BwdPostprocess {
     auto* dq = static_cast<Element*>(params.dq.ptr) + batch * params.dq.batch_stride + head * params.dq.head_stride;
 
     TiledMmadQ tiled_mma;
-    Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    // The tile as the dQ GEMM computed it: (queries, head dim), or (head dim, queries) when transposed.
+    using Tile = std::conditional_t<kTransposed, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
+    Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(Tile{}));
     constexpr int kValues = decltype(size(coords))::value;
     static_assert(kValues * kNumThreads == kBlockFloats);
     CUTLASS_PRAGMA_UNROLL
@@ -45,8 +49,8 @@ struct BwdPostprocess {
       float const values[4] = {v.x, v.y, v.z, v.w};
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < 4; ++e) {
-        int const row = m_block * kBlockM + int(get<0>(coords(4 * j + e)));
-        int const col = int(get<1>(coords(4 * j + e)));
+        int const row = m_block * kBlockM + int(get<kTransposed ? 1 : 0>(coords(4 * j + e)));
+        int const col = int(get<kTransposed ? 0 : 1>(coords(4 * j + e)));
         if (row < params.seqlen_q && col < params.headdim) { dq[row * params.dq.row_stride + col] = Element(values[e] * params.softmax_scale); }
       }
     }

@@ -54,7 +54,7 @@ struct BwdLauncher {
   using Workspace = BwdWorkspace<Config::kBlockM, kHeadDim>;
   using Preprocess = BwdPreprocess<Element, Config::kBlockM>;
   using Postprocess = BwdPostprocess<Element, Config::kBlockM, kHeadDim, typename Kernel::Mainloop::TiledMmadQ,
-                                     Kernel::kNumMmaThreads>;
+                                     Kernel::Mainloop::kDqTransposed, Kernel::kNumMmaThreads>;
 
   static size_t workspace_bytes(BwdParams const& p) { return Workspace(p).total(); }
 

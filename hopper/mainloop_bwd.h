@@ -54,11 +54,26 @@ struct BwdMainloop {
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
   // dQ = dS K: (queries, head dim) over the keys, both operands MN-major; the warpgroups split the head dim.
+  // A query block that is not a multiple of GMMA's M (64) computes dQ^T = K^T dS^T instead: (head dim,
+  // queries), the same two shared-memory operands in swapped roles, and the postprocess reads it transposed.
   static constexpr int kHeadDimPerWarpGroup = kHeadDim / kNumMmaWarpGroups;
-  using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDimPerWarpGroup>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
+  static constexpr bool kDqTransposed = kBlockM % 64 != 0;
+  static constexpr auto make_tiled_mma_dq() {
+    if constexpr (kDqTransposed) {
+      return make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kHeadDimPerWarpGroup>, Int<kBlockM>, Int<kBlockN>>,
+                               GMMA::Major::MN, GMMA::Major::MN>(),
+          Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{});
+    } else {
+      return make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDimPerWarpGroup>, Int<kBlockN>>,
+                               GMMA::Major::MN, GMMA::Major::MN>(),
+          Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{});
+    }
+  }
+  using TiledMmadQ = decltype(make_tiled_mma_dq());
+  // dQ's tile as its GEMM computes it.
+  using TiledQ = std::conditional_t<kDqTransposed, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
 
   // K's swizzle atom spans at most one warpgroup's share of the head dim, so that each warpgroup's half of
   // K^T (dQ's B operand) starts on an atom. V shares the layout: dK and dV are staged in these buffers.
@@ -113,8 +128,16 @@ struct BwdMainloop {
     Tensor tdPrdO = thread_mma_sdp.partition_fragment_B(sdO);
     Tensor tdVrdO = thread_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stages)
     Tensor tdKrQ = thread_mma_dkv.partition_fragment_B(sQt);
-    Tensor tdQrdS = thread_mma_dq.partition_fragment_A(sdSt);
-    Tensor tdQrK = thread_mma_dq.partition_fragment_B(sKt);
+    // dQ's operands: dS (queries, keys) and K^T (head dim, keys), as A and B, or B and A when transposed.
+    auto dq_operands = [&] {
+      if constexpr (kDqTransposed) {
+        return cute::make_tuple(thread_mma_dq.partition_fragment_A(sKt), thread_mma_dq.partition_fragment_B(sdSt));
+      } else {
+        return cute::make_tuple(thread_mma_dq.partition_fragment_A(sdSt), thread_mma_dq.partition_fragment_B(sKt));
+      }
+    }();
+    auto tdQrA = get<0>(dq_operands);
+    auto tdQrB = get<1>(dq_operands);
 
     auto const tile_sdp = Shape<Int<kBlockN>, Int<kBlockM>>{};
     Tensor tSrS = partition_fragment_C(tiled_mma_sdp, tile_sdp);    // S^T, then P^T in place
@@ -125,7 +148,7 @@ struct BwdMainloop {
     Tensor tdPrdS16 = make_tensor_like<Element>(tdPrdP);
     Tensor tdVrP = make_tensor(tSrP16.data(), acc_layout_to_a_regs<Element>(tSrP16.layout()));
     Tensor tdKrdS = make_tensor(tdPrdS16.data(), acc_layout_to_a_regs<Element>(tdPrdS16.layout()));
-    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, TiledQ{});
 
     auto smem_tiled_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_sdp);
     auto smem_thread_copy_ds = smem_tiled_copy_ds.get_thread_slice(thread_idx);
@@ -142,7 +165,7 @@ struct BwdMainloop {
 
     PipelineState read_state;  // Q and dO advance together
     bool zero_init_dkv = true;
-    auto step = [&](int i, auto masked) {
+    auto step = [&](int i, auto masked) __attribute__((always_inline)) {
       constexpr bool kMasked = decltype(masked)::value;
       int const m_block = work.m_block(i);
       int const stage = read_state.index();
@@ -152,7 +175,7 @@ struct BwdMainloop {
       warpgroup_gemm<-1>(tiled_mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP, /*zero_init=*/true);
       warpgroup_wait<1>();  // S^T is ready; dP^T still runs
       warpgroup_fence_operand(tSrS);
-      if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, work.n_block); }
+      if constexpr (kMasked && kIsCausal) { mask.template apply</*kSeqlenKMask=*/true, true>(tSrS, m_block, work.n_block); }
       Tensor scores = make_rowcol_view(tSrS);  // (keys, queries)
       CUTLASS_PRAGMA_UNROLL
       for (int ni = 0; ni < kCols; ++ni) {
@@ -162,7 +185,9 @@ struct BwdMainloop {
           scores(mi, ni) = exp2f(scores(mi, ni) * params.softmax_scale_log2 - lse_log2);
         }
       }
-      convert_into(tSrS, tSrP16);
+      // Without the causal mask, the keys past the end (zero rows of K and V: TMA fills them) are masked in
+      // P^T instead of S^T: the same result, and masking S^T there made ptxas spill at d64 (kBlockM = 128).
+      if constexpr (kMasked && !kIsCausal) { mask.template apply</*kSeqlenKMask=*/true, false>(tSrS, m_block, work.n_block, 0.f); }
       warpgroup_wait<0>();  // dP^T is ready
       warpgroup_fence_operand(tdPrdP);
       Tensor dP = make_rowcol_view(tdPrdP);
@@ -172,25 +197,29 @@ struct BwdMainloop {
         CUTLASS_PRAGMA_UNROLL
         for (int mi = 0; mi < size<0>(dP); ++mi) { dP(mi, ni) = scores(mi, ni) * (dP(mi, ni) - dpsum); }
       }
+      // P^T is converted only now, after its last fp32 use: S^T, dP^T and the 16-bit copies are never all live.
+      convert_into(tSrS, tSrP16);
       convert_into(tdPrdP, tdPrdS16);
       // dV's GEMM is issued only now: issued before the dP^T wait, to overlap the dS math, it measured
-      // 2-6% slower (perf-notes section 12).
+      // 2-6% slower (perf-notes section 12). It runs while dS^T is stored and both warpgroups meet.
       warpgroup_gemm<-1>(tiled_mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV, zero_init_dkv);
       copy(smem_tiled_copy_ds, tdSrdS_copy, tdSsdS);  // sdS is free: both warpgroups are past the last dQ GEMM
-      warpgroup_gemm<-1>(tiled_mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK, zero_init_dkv);
-      zero_init_dkv = false;
       cutlass::arch::fence_view_async_shared();  // dS^T written by stmatrix, read next by GMMA
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdSReady));
-      warpgroup_gemm<-1>(tiled_mma_dq, tdQrdS, tdQrK, tdQrdQ, /*zero_init=*/true);
-      warpgroup_wait<0>();  // dV, dK and dQ GEMMs done: this stage of Q and dO, and sdS, are read
-      warpgroup_fence_operand(tdVrdV);
-      warpgroup_fence_operand(tdKrdK);
+      // dQ before dK, so that dQ is handed over while dK's GEMM runs.
+      warpgroup_gemm<-1>(tiled_mma_dq, tdQrA, tdQrB, tdQrdQ, /*zero_init=*/true);
+      warpgroup_gemm<-1>(tiled_mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK, zero_init_dkv);
+      zero_init_dkv = false;
+      warpgroup_wait<1>();  // dV and dQ done: this stage of dO is read
       warpgroup_fence_operand(tdQrdQ);
-      pipeline_q.consumer_release(read_state);
       pipeline_do.consumer_release(read_state);
-      ++read_state;
       // Its barrier also keeps sdS from being overwritten before both warpgroups' dQ GEMMs are done.
       store_dq(tdQrdQ, i);
+      warpgroup_wait<0>();  // dK done: this stage of Q is read
+      warpgroup_fence_operand(tdVrdV);
+      warpgroup_fence_operand(tdKrdK);
+      pipeline_q.consumer_release(read_state);
+      ++read_state;
     };
 
     work.template for_each_block<kBlockM, kBlockN, kIsCausal>(params.seqlen_q, params.seqlen_k, step);

@@ -57,6 +57,7 @@ struct BwdMainloopHeadSplit {
       GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDimPerWarpGroup>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
+  static constexpr bool kDqTransposed = false;  // dQ's tile is (queries, head dim)
   // The accumulators of dK and dV are (head dim, keys): the epilogue writes them transposed.
   static constexpr bool kTransposedDkv = true;
 
@@ -183,18 +184,20 @@ struct BwdMainloopHeadSplit {
       copy(smem_tiled_copy_p, tdSrdS_copy, tdSsdS(_, _, _, buffer));
       cutlass::arch::fence_view_async_shared();  // P and dS written by stmatrix, read next by GMMA
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdSReady));
+      // dQ first, so that its atomics are issued while the dV and dK GEMMs run.
+      warpgroup_gemm<-1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ, /*zero_init=*/true);
       warpgroup_gemm<-1>(tiled_mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt(_, _, _, buffer), tdVrdV, zero_init_dkv);
       warpgroup_gemm<-1>(tiled_mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, buffer), tdKrdK, zero_init_dkv);
       zero_init_dkv = false;
-      warpgroup_gemm<-1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ, /*zero_init=*/true);
-      warpgroup_wait<0>();  // dV, dK and dQ GEMMs done: this stage of Q and dO is read
+      warpgroup_wait<2>();  // dQ done
+      warpgroup_fence_operand(tdQrdQ);
+      store_dq(tdQrdQ, i);
+      warpgroup_wait<0>();  // dV and dK GEMMs done: this stage of Q and dO is read
       warpgroup_fence_operand(tdVrdV);
       warpgroup_fence_operand(tdKrdK);
-      warpgroup_fence_operand(tdQrdQ);
       pipeline_q.consumer_release(read_state);
       pipeline_do.consumer_release(read_state);
       ++read_state;
-      store_dq(tdQrdQ, i);
     };
 
     work.template for_each_block<kBlockM, kBlockN, kIsCausal>(params.seqlen_q, params.seqlen_k, step);

@@ -60,8 +60,9 @@ struct Mask {
       : thread_idx(thread_idx_), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_) {}
 
   // kSeqlenKMask: keys >= seqlen_k (only the last K/V block has them). kCausalMask: keys past the diagonal.
+  // Masked scores become `fill`: -inf before the exponential, or 0 when applied to probabilities.
   template <bool kSeqlenKMask, bool kCausalMask, class Engine, class Layout>
-  __device__ __forceinline__ void apply(Tensor<Engine, Layout>& acc_s, int m_block, int n_block) const {
+  __device__ __forceinline__ void apply(Tensor<Engine, Layout>& acc_s, int m_block, int n_block, float fill = -INFINITY) const {
     static_assert(!kCausalMask || kIsCausal);
     if constexpr (!kSeqlenKMask && !kCausalMask) { return; }
     using TileRowsCols = std::conditional_t<kKeysInRows, Shape<Int<kBlockN>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kBlockN>>>;
@@ -80,7 +81,7 @@ struct Mask {
         if constexpr (kCausalMask) { col_limit = min(col_limit, int(get<0>(coords_rc(mi, 0))) + diagonal_offset + 1); }
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < size<1>(scores); ++ni) {
-          if (int(get<1>(coords_rc(mi, ni))) >= col_limit) { scores(mi, ni) = -INFINITY; }
+          if (int(get<1>(coords_rc(mi, ni))) >= col_limit) { scores(mi, ni) = fill; }
         }
       }
     } else {
@@ -93,7 +94,7 @@ struct Mask {
         if constexpr (kSeqlenKMask) { col_min = key_local >= seqlen_k_limit ? kBlockM : col_min; }
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < size<1>(scores); ++ni) {
-          if (int(get<1>(coords_rc(mi, ni))) < col_min) { scores(mi, ni) = -INFINITY; }
+          if (int(get<1>(coords_rc(mi, ni))) < col_min) { scores(mi, ni) = fill; }
         }
       }
     }

@@ -89,7 +89,15 @@ struct BwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kIsCausal = kIsCausal_;
   static constexpr bool kHeadSplit = kHeadDim > 128;
-  static constexpr int kBlockM = 64;
+#if defined(FLASH_EXT_BWD_TILE_M)
+  static constexpr int kBlockM = FLASH_EXT_BWD_TILE_M;  // tile experiments in variant builds only
+#else
+  // Queries per step. d64: 128, twice the GEMM work per barrier and per load (+5% non-causal, +8% causal
+  // at 8k). d128 non-causal: 80 (+0-4% at 8k, +7% at 2k; dQ is then computed transposed, mainloop_bwd.h).
+  // Otherwise 64: the dK/dV accumulators leave no registers for larger S^T and dP^T tiles (perf-notes
+  // section 16).
+  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : (kHeadDim == 128 && !kIsCausal ? 80 : 64);
+#endif
   static constexpr int kBlockN = kHeadSplit ? 64 : 128;
   static constexpr int kStages = 2;  // Q and dO pipeline depth
   static constexpr int kNumMmaWarpGroups = 2;
