@@ -6,8 +6,9 @@
 // - staged (consumer_store): the consumers stage their fragments in shared memory (kBuffers buffers used
 //   in turn); one warp of the producer warpgroup adds each staged block to global memory with a bulk
 //   reduce-add (cp.reduce.async.bulk .add.f32), so the consumers never wait on global memory;
-// - from registers (consumer_add): atomic float4 adds straight from the consumers' registers, where no
-//   shared memory is left for staging (d256).
+// - from registers (consumer_add): float4 reductions straight from the consumers' registers, where no
+//   shared memory is left for staging (d256); `red`, which returns nothing, not `atom` (atomicAdd): +17%
+//   at d256 (perf-notes section 16), the adds being bound by the L2 traffic.
 // The accumulator keeps the fragment order: value v of consumer thread t lands at float
 // ((v / 4) * kNumMmaThreads + t) * 4 + v % 4 of the block (conflict-free 16-byte accesses), and the
 // postprocess kernel reads it back through the same TiledMma.
@@ -103,7 +104,7 @@ struct DqAccumulator {
     if (!params.deterministic) {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kValues / 4; ++j) {
-        atomicAdd(dst + j * kNumMmaThreads, make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
+        red_add(dst + j * kNumMmaThreads, tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
       }
       return;
     }
@@ -124,6 +125,10 @@ struct DqAccumulator {
   }
 
  private:
+  // A reduction without a return value (red, not atom): the SM does not wait for the old value.
+  __device__ static void red_add(float4* gmem, float x, float y, float z, float w) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" : : "l"(gmem), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+  }
   __device__ static void bulk_reduce_add(float* gmem, float const* smem, int bytes) {
     uint32_t const smem_addr = cute::cast_smem_ptr_to_uint(smem);
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"

@@ -184,7 +184,7 @@ struct BwdMainloopHeadSplit {
       copy(smem_tiled_copy_p, tdSrdS_copy, tdSsdS(_, _, _, buffer));
       cutlass::arch::fence_view_async_shared();  // P and dS written by stmatrix, read next by GMMA
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdSReady));
-      // dQ first, so that its atomics are issued while the dV and dK GEMMs run.
+      // dQ first, so that its reductions are issued while the dV and dK GEMMs run.
       warpgroup_gemm<-1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ, /*zero_init=*/true);
       warpgroup_gemm<-1>(tiled_mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt(_, _, _, buffer), tdVrdV, zero_init_dkv);
       warpgroup_gemm<-1>(tiled_mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, buffer), tdKrdK, zero_init_dkv);
