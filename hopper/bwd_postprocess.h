@@ -4,8 +4,6 @@
 // same TiledMma's coordinates.
 #pragma once
 
-#include <type_traits>
-
 #include <cute/tensor.hpp>
 
 #include "flash.h"
@@ -14,7 +12,9 @@ namespace flash {
 
 using namespace cute;
 
-template <class Element, int kBlockM, int kHeadDim, class TiledMmadQ, bool kTransposed, int kNumMmaThreads>
+// DqTile: dQ's tile as the main kernel's GEMM computed it, (queries, head dim) or, kTransposed, (head dim,
+// queries).
+template <class Element, int kBlockM, int kHeadDim, class TiledMmadQ, class DqTile, bool kTransposed, int kNumMmaThreads>
 struct BwdPostprocess {
   static constexpr int kNumThreads = kNumMmaThreads;
   static constexpr int kMinBlocksPerSm = 2;
@@ -38,9 +38,7 @@ struct BwdPostprocess {
     auto* dq = static_cast<Element*>(params.dq.ptr) + batch * params.dq.batch_stride + head * params.dq.head_stride;
 
     TiledMmadQ tiled_mma;
-    // The tile as the dQ GEMM computed it: (queries, head dim), or (head dim, queries) when transposed.
-    using Tile = std::conditional_t<kTransposed, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
-    Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(Tile{}));
+    Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(DqTile{}));
     constexpr int kValues = decltype(size(coords))::value;
     static_assert(kValues * kNumThreads == kBlockFloats);
     CUTLASS_PRAGMA_UNROLL

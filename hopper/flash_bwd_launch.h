@@ -54,7 +54,8 @@ struct BwdLauncher {
   using Workspace = BwdWorkspace<Config::kBlockM, kHeadDim>;
   using Preprocess = BwdPreprocess<Element, Config::kBlockM>;
   using Postprocess = BwdPostprocess<Element, Config::kBlockM, kHeadDim, typename Kernel::Mainloop::TiledMmadQ,
-                                     Kernel::Mainloop::kDqTransposed, Kernel::kNumMmaThreads>;
+                                     typename Kernel::Mainloop::DqTile, Kernel::Mainloop::kDqTransposed,
+                                     Kernel::kNumMmaThreads>;
 
   static size_t workspace_bytes(BwdParams const& p) { return Workspace(p).total(); }
 

@@ -72,8 +72,8 @@ struct BwdMainloop {
     }
   }
   using TiledMmadQ = decltype(make_tiled_mma_dq());
-  // dQ's tile as its GEMM computes it.
-  using TiledQ = std::conditional_t<kDqTransposed, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
+  // dQ's tile as its GEMM computes it (the postprocess reads the accumulator through it).
+  using DqTile = std::conditional_t<kDqTransposed, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
 
   // K's swizzle atom spans at most one warpgroup's share of the head dim, so that each warpgroup's half of
   // K^T (dQ's B operand) starts on an atom. V shares the layout: dK and dV are staged in these buffers.
@@ -148,7 +148,7 @@ struct BwdMainloop {
     Tensor tdPrdS16 = make_tensor_like<Element>(tdPrdP);
     Tensor tdVrP = make_tensor(tSrP16.data(), acc_layout_to_a_regs<Element>(tSrP16.layout()));
     Tensor tdKrdS = make_tensor(tdPrdS16.data(), acc_layout_to_a_regs<Element>(tdPrdS16.layout()));
-    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, TiledQ{});
+    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, DqTile{});
 
     auto smem_tiled_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_sdp);
     auto smem_thread_copy_ds = smem_tiled_copy_ds.get_thread_slice(thread_idx);

@@ -57,7 +57,8 @@ struct BwdMainloopHeadSplit {
       GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDimPerWarpGroup>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
-  static constexpr bool kDqTransposed = false;  // dQ's tile is (queries, head dim)
+  static constexpr bool kDqTransposed = false;
+  using DqTile = Shape<Int<kBlockM>, Int<kHeadDim>>;  // dQ's tile as its GEMM computes it
   // The accumulators of dK and dV are (head dim, keys): the epilogue writes them transposed.
   static constexpr bool kTransposedDkv = true;
 
@@ -127,7 +128,7 @@ struct BwdMainloopHeadSplit {
     Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, tile_sdp);  // dP, then dS in place
     Tensor tSrP16 = make_tensor_like<Element>(tSrS);
     Tensor tdPrdS16 = make_tensor_like<Element>(tdPrdP);
-    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, DqTile{});
 
     auto smem_tiled_copy_p = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_sdp);
     auto smem_thread_copy_p = smem_tiled_copy_p.get_thread_slice(thread_idx);
