@@ -9,25 +9,22 @@ import os
 import torch
 
 import flash_ext
+from compiled_kernels import compiled_kernels
 
 SHAPES = [(1, 129, 257, 4, 2), (2, 300, 50, 2, 1), (3, 700, 700, 16, 4)]  # (batch, sq, sk, nheads, nheads_kv)
 
 
 def main():
-    for d in flash_ext.kernel_table.HEADDIMS_BY_DIRECTION["fwd"]:
-        for dtype in (torch.float16, torch.bfloat16):
-            for causal in (False, True):
-                if not flash_ext.has_kernel("fwd", d, dtype, causal):
-                    continue
-                for persistent in ("0", "1"):
-                    os.environ["FLASH_EXT_PERSISTENT"] = persistent
-                    for b, sq, sk, h, hkv in SHAPES:
-                        q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
-                        k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
-                        out, lse = flash_ext.forward(q, k, v, causal=causal)
-                        assert torch.isfinite(out).all()
-                    torch.cuda.synchronize()
-                    print(f"d{d} {dtype} causal={causal} persistent={persistent}: ran", flush=True)
+    for d, dtype, causal in compiled_kernels("fwd", ["fp16", "bf16"]):
+        for persistent in ("0", "1"):
+            os.environ["FLASH_EXT_PERSISTENT"] = persistent
+            for b, sq, sk, h, hkv in SHAPES:
+                q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+                k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+                out, lse = flash_ext.forward(q, k, v, causal=causal)
+                assert torch.isfinite(out).all()
+            torch.cuda.synchronize()
+            print(f"d{d} {dtype} causal={causal} persistent={persistent}: ran", flush=True)
     os.environ.pop("FLASH_EXT_PERSISTENT", None)
 
 
