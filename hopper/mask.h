@@ -50,7 +50,8 @@ struct BlockRange {
 };
 
 // Masks a score tile S held in GMMA accumulators: rows are queries and columns keys (kKeysInRows = false,
-// S = Q K^T), or the transpose (kKeysInRows = true, S^T = K Q^T in the backward). Masked scores become -inf.
+// S = Q K^T), or the transpose (kKeysInRows = true, S^T = K Q^T in the backward). Masked scores become -inf
+// (or the fill a caller gives).
 template <int kBlockM, int kBlockN, bool kIsCausal, class TiledMma, bool kKeysInRows = false>
 struct Mask {
   int const thread_idx;  // index within the consumer warpgroups
