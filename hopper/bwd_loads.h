@@ -1,7 +1,7 @@
 // The backward's producer collective, shared by both consumer layouts (mainloop_bwd.h,
 // mainloop_bwd_headsplit.h): K and V of the CTA's block once (one transaction barrier); then per query
-// block Q with its LSE_log2, and dO with its dPsum (both from the preprocess kernel), through two
-// kStages-deep TMA pipelines. (Consumers reading the forward's LSE from global memory instead measured
+// block Q with its LSE_log2, and dO with its dPsum (both from the preprocess kernel), through two TMA
+// pipelines (as deep as their layouts have stages; dO's may be shallower where shared memory is short). (Consumers reading the forward's LSE from global memory instead measured
 // 20-30% slower: perf-notes section 9.)
 // It owns those buffers, their TMA descriptors and barriers, and the list of query blocks a CTA walks.
 #pragma once
@@ -48,27 +48,32 @@ struct BwdWork {
   }
 };
 
-// SmemLayoutQ: (kBlockM, head dim, kStages), for Q and dO; SmemLayoutK: (kBlockN, head dim), for K and V.
-template <class Element, int kBlockM, int kBlockN, int kHeadDim, int kStages, int kNumMmaThreads, class SmemLayoutQ,
+// SmemLayoutQ / SmemLayoutdO: (kBlockM, head dim, stages); SmemLayoutK: (kBlockN, head dim), for K and V.
+template <class Element, int kBlockM, int kBlockN, int kHeadDim, int kNumMmaThreads, class SmemLayoutQ, class SmemLayoutdO,
           class SmemLayoutK>
 struct BwdLoads {
-  using SmemLayoutRowStats = Layout<Shape<Int<kBlockM>, Int<kStages>>>;  // LSE_log2, dPsum per query
-  using PipelineQ = cutlass::PipelineTmaAsync<kStages>;                   // Q + LSE_log2, and dO + dPsum
-  using PipelineState = typename PipelineQ::PipelineState;
+  static constexpr int kStagesQ = decltype(size<2>(SmemLayoutQ{}))::value;
+  static constexpr int kStagesdO = decltype(size<2>(SmemLayoutdO{}))::value;
+  using SmemLayoutLSE = Layout<Shape<Int<kBlockM>, Int<kStagesQ>>>;     // LSE_log2 per query, with Q's stages
+  using SmemLayoutdPsum = Layout<Shape<Int<kBlockM>, Int<kStagesdO>>>;  // dPsum per query, with dO's stages
+  using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;                // Q + LSE_log2
+  using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;              // dO + dPsum
+  using PipelineStateQ = typename PipelineQ::PipelineState;
+  using PipelineStatedO = typename PipelinedO::PipelineState;
   using BarrierKV = cutlass::arch::ClusterTransactionBarrier;
 
   struct TensorStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_do;
-    alignas(128) float smem_lse[kBlockM * kStages];
-    alignas(128) float smem_dpsum[kBlockM * kStages];
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> smem_do;
+    alignas(128) float smem_lse[cosize_v<SmemLayoutLSE>];
+    alignas(128) float smem_dpsum[cosize_v<SmemLayoutdPsum>];
   };
   struct BarrierStorage {
     alignas(16) BarrierKV barrier_kv;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
-    alignas(16) typename PipelineQ::SharedStorage pipeline_do;
+    alignas(16) typename PipelinedO::SharedStorage pipeline_do;
   };
 
   static constexpr uint32_t kTmaBytesKV = uint32_t(cosize_v<SmemLayoutK> * sizeof(Element));
@@ -120,11 +125,12 @@ struct BwdLoads {
   // Called by one thread before the CTA-wide barrier that publishes the barriers.
   __device__ static void init_barriers(BarrierStorage& barriers) { barriers.barrier_kv.init(/*arrive_count=*/1); }
 
-  __device__ static typename PipelineQ::Params pipeline_params(uint32_t transaction_bytes, bool is_producer_warpgroup,
-                                                               bool is_leader) {
-    typename PipelineQ::Params pipeline_params;
+  template <class Pipeline>
+  __device__ static typename Pipeline::Params pipeline_params(uint32_t transaction_bytes, bool is_producer_warpgroup,
+                                                              bool is_leader) {
+    typename Pipeline::Params pipeline_params;
     pipeline_params.transaction_bytes = transaction_bytes;
-    pipeline_params.role = is_producer_warpgroup ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
+    pipeline_params.role = is_producer_warpgroup ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
     pipeline_params.is_leader = is_leader;
     pipeline_params.num_consumers = kNumMmaThreads;
     return pipeline_params;
@@ -132,11 +138,11 @@ struct BwdLoads {
 
   // One thread of the producer warp.
   __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers, PipelineQ& pipeline_q,
-                              PipelineQ& pipeline_do, BwdWork const& work) {
+                              PipelinedO& pipeline_do, BwdWork const& work) {
     Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(tensors.smem_v.data()), SmemLayoutK{});
     Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(tensors.smem_do.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(tensors.smem_do.data()), SmemLayoutdO{});
 
     Tensor gK = local_tile(params.tma_k.get_tma_tensor(params.shape_k)(_, _, work.kv_head, work.batch), TileK{},
                            make_coord(work.n_block, _0{}));
@@ -149,7 +155,17 @@ struct BwdLoads {
     copy(params.tma_k.with(reinterpret_cast<BarrierType&>(barriers.barrier_kv), 0), tKgK, tKsK);
     copy(params.tma_v.with(reinterpret_cast<BarrierType&>(barriers.barrier_kv), 0), tVgV, tVsV);
 
-    PipelineState write_state = cutlass::make_producer_start_state<PipelineQ>();
+    PipelineStateQ write_state_q = cutlass::make_producer_start_state<PipelineQ>();
+    // dO keeps a state of its own only where its depth differs from Q's: a second state is two more of the
+    // producer's 24 registers.
+    PipelineStatedO write_state_do_own = cutlass::make_producer_start_state<PipelinedO>();
+    auto& write_state_do = [&]() -> PipelineStatedO& {
+      if constexpr (kStagesQ == kStagesdO) {
+        return write_state_q;
+      } else {
+        return write_state_do_own;
+      }
+    }();
     for (int i = 0; i < work.count(); ++i) {
       int const head = work.head(i);
       int const m_block = work.m_block(i);
@@ -158,18 +174,20 @@ struct BwdLoads {
       auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
       int64_t const row_stats = (int64_t(work.batch) * params.nheads + head) * params.seqlen_q_rounded + m_block * kBlockM;
-      int const stage = write_state.index();
+      int const stage_q = write_state_q.index();
+      int const stage_do = write_state_do.index();
 
-      pipeline_q.producer_acquire(write_state);
-      BarrierType* barrier_q = pipeline_q.producer_get_barrier(write_state);
-      copy(params.tma_q.with(*barrier_q, 0), tQgQ, tQsQ(_, stage));
-      SM90_BULK_COPY_G2S::copy(params.lse_log2 + row_stats, barrier_q, tensors.smem_lse + stage * kBlockM, kRowStatBytes);
+      pipeline_q.producer_acquire(write_state_q);
+      BarrierType* barrier_q = pipeline_q.producer_get_barrier(write_state_q);
+      copy(params.tma_q.with(*barrier_q, 0), tQgQ, tQsQ(_, stage_q));
+      SM90_BULK_COPY_G2S::copy(params.lse_log2 + row_stats, barrier_q, tensors.smem_lse + stage_q * kBlockM, kRowStatBytes);
 
-      pipeline_do.producer_acquire(write_state);
-      BarrierType* barrier_do = pipeline_do.producer_get_barrier(write_state);
-      copy(params.tma_do.with(*barrier_do, 0), tdOgdO, tdOsdO(_, stage));
-      SM90_BULK_COPY_G2S::copy(params.dpsum + row_stats, barrier_do, tensors.smem_dpsum + stage * kBlockM, kRowStatBytes);
-      ++write_state;
+      pipeline_do.producer_acquire(write_state_do);
+      BarrierType* barrier_do = pipeline_do.producer_get_barrier(write_state_do);
+      copy(params.tma_do.with(*barrier_do, 0), tdOgdO, tdOsdO(_, stage_do));
+      SM90_BULK_COPY_G2S::copy(params.dpsum + row_stats, barrier_do, tensors.smem_dpsum + stage_do * kBlockM, kRowStatBytes);
+      ++write_state_q;
+      if constexpr (kStagesQ != kStagesdO) { ++write_state_do; }
     }
   }
 

@@ -1,10 +1,13 @@
 // Backward postprocess kernel: dq = softmax_scale * (the fp32 dQ accumulator), converted to the input
 // dtype. The accumulator holds each query block in the dQ GEMM's fragment order (dq_accumulator.h); each
-// thread here reads the values that consumer thread of the same index held and places them through the
-// same TiledMma's coordinates.
+// thread here reads the values that consumer thread of the same index held (coalesced 16-byte loads) and
+// places them in shared memory through the same TiledMma's coordinates; the block then leaves by whole
+// 16-byte row chunks. (Storing each value from its fragment coordinates straight to global memory, two
+// bytes at a time, made this kernel 3x slower: perf-notes section 17.)
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/array.h>
 
 #include "flash.h"
 
@@ -18,24 +21,26 @@ template <class Element, int kBlockM, int kHeadDim, class TiledMmadQ, class DqTi
 struct BwdPostprocess {
   static constexpr int kNumThreads = kNumMmaThreads;
   static constexpr int kMinBlocksPerSm = 2;
-  static constexpr int kSharedStorageBytes = 0;
   static constexpr int kBlockFloats = kBlockM * kHeadDim;
+  static constexpr int kChunk = 16 / int(sizeof(Element));  // elements per 16-byte store
+  static constexpr int kRowPitch = kHeadDim + kChunk;        // padded rows: fewer bank conflicts, chunks aligned
+  static constexpr int kSharedStorageBytes = kBlockM * kRowPitch * int(sizeof(Element));
 
   struct Params {
     float const* accum;  // (batch, nheads, num_m_blocks, kBlockFloats)
-    StridedTensor dq;
+    StridedTensor dq;    // 16-byte aligned rows (arg_checks: check_layout)
     int seqlen_q, nheads, num_m_blocks, headdim;
     float softmax_scale;
   };
 
   static dim3 grid(int num_m_blocks, int nheads, int batch) { return dim3(unsigned(num_m_blocks), unsigned(nheads), unsigned(batch)); }
 
-  __device__ static void run(Params const& params, char* /*smem*/) {
+  __device__ static void run(Params const& params, char* smem) {
     int const m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     int const thread_idx = threadIdx.x;
     int64_t const block_index = (int64_t(batch) * params.nheads + head) * params.num_m_blocks + m_block;
     auto const* src = reinterpret_cast<float4 const*>(params.accum + block_index * kBlockFloats);
-    auto* dq = static_cast<Element*>(params.dq.ptr) + batch * params.dq.batch_stride + head * params.dq.head_stride;
+    auto* tile = reinterpret_cast<Element*>(smem);  // (kBlockM, kRowPitch)
 
     TiledMmadQ tiled_mma;
     Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(DqTile{}));
@@ -47,10 +52,20 @@ struct BwdPostprocess {
       float const values[4] = {v.x, v.y, v.z, v.w};
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < 4; ++e) {
-        int const row = m_block * kBlockM + int(get<kTransposed ? 1 : 0>(coords(4 * j + e)));
+        int const row = int(get<kTransposed ? 1 : 0>(coords(4 * j + e)));
         int const col = int(get<kTransposed ? 0 : 1>(coords(4 * j + e)));
-        if (row < params.seqlen_q && col < params.headdim) { dq[row * params.dq.row_stride + col] = Element(values[e] * params.softmax_scale); }
+        tile[row * kRowPitch + col] = Element(values[e] * params.softmax_scale);
       }
+    }
+    __syncthreads();
+
+    auto* dq = static_cast<Element*>(params.dq.ptr) + batch * params.dq.batch_stride + head * params.dq.head_stride;
+    int const rows = min(kBlockM, params.seqlen_q - m_block * kBlockM);
+    int const chunks_per_row = params.headdim / kChunk;  // the head dim is a multiple of 8 (arg_checks)
+    for (int c = thread_idx; c < rows * chunks_per_row; c += kNumThreads) {
+      int const row = c / chunks_per_row, col = (c - row * chunks_per_row) * kChunk;
+      *reinterpret_cast<uint4*>(dq + int64_t(m_block * kBlockM + row) * params.dq.row_stride + col) =
+          *reinterpret_cast<uint4 const*>(tile + row * kRowPitch + col);
     }
   }
 };

@@ -44,17 +44,26 @@ struct BwdPreprocess {
     auto const* o = static_cast<Element const*>(params.o.ptr) + batch * params.o.batch_stride + head * params.o.head_stride;
     auto const* dout = static_cast<Element const*>(params.dout.ptr) + batch * params.dout.batch_stride + head * params.dout.head_stride;
     cutlass::NumericArrayConverter<float, Element, kChunk> to_float;
-    for (int row = blockIdx.x * kBlockM + warp; row < (blockIdx.x + 1) * kBlockM; row += kNumWarps) {
+    // A group of lanes per row, as many as the head dim has chunks (rounded up to a power of two): one
+    // row per warp left three quarters of the lanes idle at d64.
+    int const chunks = params.headdim / kChunk;
+    int const lanes_per_row = chunks <= 8 ? 8 : (chunks <= 16 ? 16 : 32);
+    int const rows_per_warp = 32 / lanes_per_row;
+    int const chunk = lane % lanes_per_row;
+    int const block_end = (blockIdx.x + 1) * kBlockM;
+    // The loop bound is the warp's first row, so that every lane of a warp takes part in each shuffle.
+    for (int warp_row = blockIdx.x * kBlockM + warp * rows_per_warp; warp_row < block_end; warp_row += kNumWarps * rows_per_warp) {
+      int const row = warp_row + lane / lanes_per_row;
+      bool const in_block = row < block_end;
       float dot = 0.f;
-      if (row < params.seqlen_q && lane * kChunk < params.headdim) {
-        auto const o_chunk = to_float(*reinterpret_cast<cutlass::Array<Element, kChunk> const*>(o + row * params.o.row_stride + lane * kChunk));
-        auto const do_chunk = to_float(*reinterpret_cast<cutlass::Array<Element, kChunk> const*>(dout + row * params.dout.row_stride + lane * kChunk));
+      if (in_block && row < params.seqlen_q && chunk < chunks) {
+        auto const o_chunk = to_float(*reinterpret_cast<cutlass::Array<Element, kChunk> const*>(o + row * params.o.row_stride + chunk * kChunk));
+        auto const do_chunk = to_float(*reinterpret_cast<cutlass::Array<Element, kChunk> const*>(dout + row * params.dout.row_stride + chunk * kChunk));
         CUTLASS_PRAGMA_UNROLL
         for (int e = 0; e < kChunk; ++e) { dot += o_chunk[e] * do_chunk[e]; }
       }
-      CUTLASS_PRAGMA_UNROLL
-      for (int offset = 16; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffffu, dot, offset); }
-      if (lane == 0) {
+      for (int offset = lanes_per_row / 2; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffffu, dot, offset); }
+      if (in_block && chunk == 0) {
         float lse_log2 = INFINITY, dpsum = 0.f;
         if (row < params.seqlen_q) {
           float const lse = params.lse[lse_row0 + row];

@@ -94,13 +94,16 @@ struct DqAccumulator {
     }
   }
 
-  // Consumers, from registers: adds the fragment to block `block_index` of the accumulator.
-  template <class FragdQ>
+  // Consumers, from registers: adds the fragment of dQ slice `slice` (of kSlices, computed in turn) to block
+  // `block_index` of the accumulator. A thread's fragment of the block is its slices' fragments one after
+  // the other, so slice j starts j slices' worth of floats into the block.
+  template <int kSlices, class FragdQ>
   __device__ static void consumer_add(Params const& params, FragdQ const& tdQrdQ, int thread_idx, int64_t block_index,
-                                      int rank) {
+                                      int rank, int slice) {
     constexpr int kValues = decltype(size(tdQrdQ))::value;
-    static_assert(kValues % 4 == 0);
-    float4* dst = reinterpret_cast<float4*>(params.accum + block_index * kBlockFloats) + thread_idx;
+    static_assert(kValues % 4 == 0 && kSlices * kValues * kNumMmaThreads == kBlockFloats);
+    float4* dst = reinterpret_cast<float4*>(params.accum + block_index * kBlockFloats + slice * kValues * kNumMmaThreads) +
+                  thread_idx;
     if (!params.deterministic) {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kValues / 4; ++j) {
@@ -108,20 +111,25 @@ struct DqAccumulator {
       }
       return;
     }
+    // Deterministic: the consumers own the block from before the first slice's adds to after the last's.
     int* semaphore = params.semaphores + block_index;
-    if (thread_idx == 0) {
-      while (load_acquire(semaphore) != rank) {}
+    if (slice == 0) {
+      if (thread_idx == 0) {
+        while (load_acquire(semaphore) != rank) {}
+      }
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdQOwned));
     }
-    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdQOwned));
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kValues / 4; ++j) {
       float4 v = __ldcg(dst + j * kNumMmaThreads);  // from L2: this SM's L1 may hold an older copy
       v.x += tdQrdQ(4 * j), v.y += tdQrdQ(4 * j + 1), v.z += tdQrdQ(4 * j + 2), v.w += tdQrdQ(4 * j + 3);
       dst[j * kNumMmaThreads] = v;
     }
-    __threadfence();
-    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdQOwned));
-    if (thread_idx == 0) { store_release(semaphore, rank + 1); }
+    if (slice == kSlices - 1) {
+      __threadfence();
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdQOwned));
+      if (thread_idx == 0) { store_release(semaphore, rank + 1); }
+    }
   }
 
  private:

@@ -80,6 +80,7 @@ struct BwdKernel {
 
   __device__ static void run(Params const& params, char* smem) {
     using PipelineQ = typename Loads::PipelineQ;
+    using PipelinedO = typename Loads::PipelinedO;
     using Blocks = BlockRange<kBlockM, kBlockN, kIsCausal>;
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
 
@@ -94,10 +95,10 @@ struct BwdKernel {
     }
     bool const is_producer_warpgroup = warp_group_idx == 0;
     PipelineQ pipeline_q(storage.barriers.pipeline_q,
-                         Loads::pipeline_params(Loads::kTmaBytesQ, is_producer_warpgroup, is_producer_thread),
+                         Loads::template pipeline_params<PipelineQ>(Loads::kTmaBytesQ, is_producer_warpgroup, is_producer_thread),
                          Shape<_1, _1, _1>{});
-    PipelineQ pipeline_do(storage.barriers.pipeline_do,
-                          Loads::pipeline_params(Loads::kTmaBytesdO, is_producer_warpgroup, is_producer_thread),
+    PipelinedO pipeline_do(storage.barriers.pipeline_do,
+                           Loads::template pipeline_params<PipelinedO>(Loads::kTmaBytesdO, is_producer_warpgroup, is_producer_thread),
                           Shape<_1, _1, _1>{});
     __syncthreads();
 
@@ -143,10 +144,12 @@ struct BwdKernel {
       Tensor tdVrdV = partition_fragment_C(tiled_mma_dkv, tile_dkv);
       Loads::wait_kv(storage.barriers);
       Mainloop::mma(params.loads, storage.loaded, storage.compute, pipeline_q, pipeline_do, work, thread_idx, tdKrdK, tdVrdV,
-                    [&](auto const& tdQrdQ, int i) {
+                    [&](auto const& tdQrdQ, int i, int slice) {
                       if constexpr (kDqFromRegisters) {
-                        DqAccum::consumer_add(params.dq, tdQrdQ, thread_idx, dq_block_index(i), dq_rank(i));
+                        DqAccum::template consumer_add<Mainloop::kDqSlices>(params.dq, tdQrdQ, thread_idx, dq_block_index(i),
+                                                                            dq_rank(i), slice);
                       } else {
+                        static_assert(Mainloop::kDqSlices == 1, "staged dQ: one fragment per query block");
                         DqAccum::consumer_store(storage.dq, tdQrdQ, thread_idx, i);
                       }
                     });

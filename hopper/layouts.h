@@ -9,11 +9,11 @@ namespace flash {
 using namespace cute;
 
 // Bytes of the contiguous dim one swizzle atom spans for a K-major tile of kExtent elements: the widest
-// swizzle (128, 64 or 32 bytes) that divides it. An atom is 8 rows of that.
+// swizzle (128, 64 or 32 bytes) that divides it, else 16 (no swizzle). An atom is 8 rows of that.
 template <class Element, int kExtent>
 CUTE_HOST_DEVICE constexpr int k_major_swizzle_bytes() {
   constexpr int kBytes = kExtent * int(sizeof(Element));
-  return kBytes % 128 == 0 ? 128 : kBytes % 64 == 0 ? 64 : 32;
+  return kBytes % 128 == 0 ? 128 : kBytes % 64 == 0 ? 64 : kBytes % 32 == 0 ? 32 : 16;
 }
 
 // K-major shared-memory atom for a tile whose contiguous extent is kExtent elements (see above).
@@ -24,9 +24,11 @@ CUTE_HOST_DEVICE constexpr auto smem_layout_atom_k_major() {
     return GMMA::Layout_K_SW128_Atom<Element>{};
   } else if constexpr (kBytes % 64 == 0) {
     return GMMA::Layout_K_SW64_Atom<Element>{};
-  } else {
-    static_assert(kBytes % 32 == 0, "the contiguous extent must be a multiple of 32 bytes");
+  } else if constexpr (kBytes % 32 == 0) {
     return GMMA::Layout_K_SW32_Atom<Element>{};
+  } else {
+    static_assert(kBytes % 16 == 0, "the contiguous extent must be a multiple of 16 bytes");
+    return GMMA::Layout_K_INTER_Atom<Element>{};  // unswizzled: 8 x 16-byte rows
   }
 }
 

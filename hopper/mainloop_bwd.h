@@ -38,7 +38,8 @@ struct BwdMainloop {
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
-  static constexpr int kStages = Config::kStages;
+  static constexpr int kStagesQ = Config::kStagesQ;
+  static constexpr int kStagesdO = Config::kStagesdO;
   static constexpr bool kIsCausal = Config::kIsCausal;
   static constexpr int kNumMmaWarpGroups = Config::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
@@ -81,17 +82,18 @@ struct BwdMainloop {
                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutV = SmemLayoutK;
   using SmemLayoutKt = decltype(transposed_view(SmemLayoutK{}));  // (head dim, keys)
-  using SmemLayoutQ = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutdO = SmemLayoutQ;
+  using SmemLayoutQ = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStagesQ>>{}));
+  using SmemLayoutdO = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStagesdO>>{}));
   using SmemLayoutQt = decltype(transposed_view(SmemLayoutQ{}));  // (head dim, queries, stages)
-  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutdOt = decltype(transposed_view(SmemLayoutdO{}));
   // dS^T as the consumers write it (keys, queries), and viewed as dS (queries, keys): dQ's MN-major A.
   using SmemLayoutdS = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   using SmemLayoutdSt = decltype(transposed_view(SmemLayoutdS{}));
-  using Loads = BwdLoads<Element, kBlockM, kBlockN, kHeadDim, kStages, kNumMmaThreads, SmemLayoutQ, SmemLayoutK>;
+  using Loads = BwdLoads<Element, kBlockM, kBlockN, kHeadDim, kNumMmaThreads, SmemLayoutQ, SmemLayoutdO, SmemLayoutK>;
   using PipelineQ = typename Loads::PipelineQ;
-  using PipelineState = typename Loads::PipelineState;
+  using PipelinedO = typename Loads::PipelinedO;
   static constexpr bool kDqFromRegisters = false;  // dQ is staged in shared memory for the writer warp
+  static constexpr int kDqSlices = 1;               // one GEMM computes a query block's dQ
   static constexpr bool kTransposedDkv = false;    // dK, dV accumulators are (keys, head dim)
 
   struct TensorStorage {
@@ -102,7 +104,7 @@ struct BwdMainloop {
   // block's dQ fragment to store_dq. Requires K and V in shared memory (Loads::wait_kv).
   template <class FragdKV, class StoreDq>
   __device__ static void mma(typename Loads::Params const& params, typename Loads::TensorStorage& loaded, TensorStorage& tensors,
-                             PipelineQ& pipeline_q, PipelineQ& pipeline_do, BwdWork const& work, int thread_idx,
+                             PipelineQ& pipeline_q, PipelinedO& pipeline_do, BwdWork const& work, int thread_idx,
                              FragdKV& tdKrdK, FragdKV& tdVrdV, StoreDq&& store_dq) {
     Tensor sK = make_tensor(make_smem_ptr(loaded.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(loaded.smem_v.data()), SmemLayoutV{});
@@ -113,8 +115,8 @@ struct BwdMainloop {
     Tensor sdOt = make_tensor(make_smem_ptr(loaded.smem_do.data()), SmemLayoutdOt{});
     Tensor sdS = make_tensor(make_smem_ptr(tensors.smem_ds.data()), SmemLayoutdS{});
     Tensor sdSt = make_tensor(make_smem_ptr(tensors.smem_ds.data()), SmemLayoutdSt{});
-    Tensor sLSE = make_tensor(make_smem_ptr(loaded.smem_lse), typename Loads::SmemLayoutRowStats{});
-    Tensor sdPsum = make_tensor(make_smem_ptr(loaded.smem_dpsum), typename Loads::SmemLayoutRowStats{});
+    Tensor sLSE = make_tensor(make_smem_ptr(loaded.smem_lse), typename Loads::SmemLayoutLSE{});
+    Tensor sdPsum = make_tensor(make_smem_ptr(loaded.smem_dpsum), typename Loads::SmemLayoutdPsum{});
 
     TiledMmaSdP tiled_mma_sdp;
     TiledMmadKV tiled_mma_dkv;
@@ -163,7 +165,9 @@ struct BwdMainloop {
 
     Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP, /*kKeysInRows=*/true> mask(thread_idx, params.seqlen_q, params.seqlen_k);
 
-    PipelineState read_state;  // Q and dO advance together
+    // Q and dO advance together here (one state: a second one cost ptxas an 8-byte spill at d128).
+    static_assert(kStagesQ == kStagesdO);
+    typename Loads::PipelineStateQ read_state;
     bool zero_init_dkv = true;
     auto step = [&](int i, auto masked) __attribute__((always_inline)) {
       constexpr bool kMasked = decltype(masked)::value;
@@ -214,7 +218,7 @@ struct BwdMainloop {
       warpgroup_fence_operand(tdQrdQ);
       pipeline_do.consumer_release(read_state);
       // Its barrier also keeps sdS from being overwritten before both warpgroups' dQ GEMMs are done.
-      store_dq(tdQrdQ, i);
+      store_dq(tdQrdQ, i, /*slice=*/0);
       warpgroup_wait<0>();  // dK done: this stage of Q is read
       warpgroup_fence_operand(tdVrdV);
       warpgroup_fence_operand(tdKrdK);

@@ -8,7 +8,9 @@
 //   S = Q K^T and dP = dO V^T (SS-GMMA, the warpgroups split the keys);
 //   P = exp2(S * scale_log2 - LSE_log2), dS = P * (dP - dPsum) -> shared memory (both halves);
 //   dV^T += dO^T P and dK^T += Q^T dS (SS-GMMA, every operand read MN-major; the warpgroups split the head
-//   dim); dQ = dS K (SS-GMMA, the warpgroups split the head dim) -> the dQ accumulator.
+//   dim); dQ = dS K (SS-GMMA, the warpgroups split the head dim) in slices of the head dim, each handed to
+//   the dQ accumulator while the next GEMM runs: dK and dV of 80 keys (160 registers a thread) leave room
+//   for half of a warpgroup's dQ at a time, not all of it.
 #pragma once
 
 #include <cmath>
@@ -35,7 +37,8 @@ struct BwdMainloopHeadSplit {
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
-  static constexpr int kStages = Config::kStages;
+  static constexpr int kStagesQ = Config::kStagesQ;
+  static constexpr int kStagesdO = Config::kStagesdO;
   static constexpr bool kIsCausal = Config::kIsCausal;
   static constexpr int kNumMmaWarpGroups = Config::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
@@ -52,31 +55,42 @@ struct BwdMainloopHeadSplit {
       GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kBlockM>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
-  // dQ = dS K: (queries, head dim) over the keys; dS K-major, K^T MN-major; the warpgroups split the head dim.
+  // dQ = dS K: (queries, head dim) over the keys; dS K-major, K^T MN-major; one slice of the head dim per
+  // GEMM (kDqSlices of them), which the warpgroups split.
+  static constexpr int kDqSlices = 2;
+  static constexpr int kDqSliceCols = kHeadDim / kDqSlices;
+  static_assert(kDqSliceCols % (64 * kNumMmaWarpGroups) == 0);
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDimPerWarpGroup>, Int<kBlockN>>,
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kDqSliceCols / kNumMmaWarpGroups>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
   static constexpr bool kDqTransposed = false;
-  using DqTile = Shape<Int<kBlockM>, Int<kHeadDim>>;  // dQ's tile as its GEMM computes it
+  // dQ's tile as its GEMMs compute it. Through TiledMmadQ (one slice wide) a thread's fragment of the whole
+  // tile is its fragments of the slices one after the other: the order in which they reach the accumulator.
+  using DqTile = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using DqSliceTile = Shape<Int<kBlockM>, Int<kDqSliceCols>>;
   // The accumulators of dK and dV are (head dim, keys): the epilogue writes them transposed.
   static constexpr bool kTransposedDkv = true;
 
   using SmemLayoutK = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutV = SmemLayoutK;
   using SmemLayoutKt = decltype(transposed_view(SmemLayoutK{}));  // (head dim, keys)
-  using SmemLayoutQ = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutdO = SmemLayoutQ;
+  using SmemLayoutQ = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStagesQ>>{}));
+  using SmemLayoutdO = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStagesdO>>{}));
   using SmemLayoutQt = decltype(transposed_view(SmemLayoutQ{}));  // (head dim, queries, stages)
-  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutdOt = decltype(transposed_view(SmemLayoutdO{}));
   // P and dS as computed (queries, keys), and viewed as (keys, queries): the dK/dV GEMMs' MN-major B. Two
   // buffers used in turn: a warpgroup writes the next query block's while the other may still read these.
+  // The atom spans at most one warpgroup's columns (kKeysPerWarpGroup), so that each warpgroup's half starts
+  // on an atom (unswizzled where that is 40 keys: kBlockN = 80).
   static constexpr int kPBuffers = 2;
-  using SmemLayoutP = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockM>, Int<kBlockN>, Int<kPBuffers>>{}));
+  static constexpr int kKeysPerWarpGroup = kBlockN / kNumMmaWarpGroups;
+  using SmemLayoutP = decltype(tile_to_shape(smem_layout_atom_k_major<Element, kKeysPerWarpGroup>(),
+                                             Shape<Int<kBlockM>, Int<kBlockN>, Int<kPBuffers>>{}));
   using SmemLayoutPt = decltype(transposed_view(SmemLayoutP{}));
-  using Loads = BwdLoads<Element, kBlockM, kBlockN, kHeadDim, kStages, kNumMmaThreads, SmemLayoutQ, SmemLayoutK>;
+  using Loads = BwdLoads<Element, kBlockM, kBlockN, kHeadDim, kNumMmaThreads, SmemLayoutQ, SmemLayoutdO, SmemLayoutK>;
   using PipelineQ = typename Loads::PipelineQ;
-  using PipelineState = typename Loads::PipelineState;
+  using PipelinedO = typename Loads::PipelinedO;
   // dQ goes from registers straight to the fp32 accumulator (atomic float4 adds): shared memory holds two
   // stages of Q and dO instead of a staging buffer.
   static constexpr bool kDqFromRegisters = true;
@@ -87,10 +101,11 @@ struct BwdMainloopHeadSplit {
   };
 
   // The consumers: accumulates dK^T (unscaled) and dV^T of the CTA's K/V block over its work; hands each
-  // query block's dQ fragment to store_dq. Requires K and V in shared memory (Loads::wait_kv).
+  // query block's dQ to store_dq(fragment, i, slice), slice by slice. Requires K and V in shared memory
+  // (Loads::wait_kv).
   template <class FragdKV, class StoreDq>
   __device__ static void mma(typename Loads::Params const& params, typename Loads::TensorStorage& loaded, TensorStorage& tensors,
-                             PipelineQ& pipeline_q, PipelineQ& pipeline_do, BwdWork const& work, int thread_idx,
+                             PipelineQ& pipeline_q, PipelinedO& pipeline_do, BwdWork const& work, int thread_idx,
                              FragdKV& tdKrdK, FragdKV& tdVrdV, StoreDq&& store_dq) {
     Tensor sK = make_tensor(make_smem_ptr(loaded.smem_k.data()), SmemLayoutK{});
     Tensor sKt = make_tensor(make_smem_ptr(loaded.smem_k.data()), SmemLayoutKt{});
@@ -99,8 +114,8 @@ struct BwdMainloopHeadSplit {
     Tensor sQt = make_tensor(make_smem_ptr(loaded.smem_q.data()), SmemLayoutQt{});
     Tensor sdO = make_tensor(make_smem_ptr(loaded.smem_do.data()), SmemLayoutdO{});
     Tensor sdOt = make_tensor(make_smem_ptr(loaded.smem_do.data()), SmemLayoutdOt{});
-    Tensor sLSE = make_tensor(make_smem_ptr(loaded.smem_lse), typename Loads::SmemLayoutRowStats{});
-    Tensor sdPsum = make_tensor(make_smem_ptr(loaded.smem_dpsum), typename Loads::SmemLayoutRowStats{});
+    Tensor sLSE = make_tensor(make_smem_ptr(loaded.smem_lse), typename Loads::SmemLayoutLSE{});
+    Tensor sdPsum = make_tensor(make_smem_ptr(loaded.smem_dpsum), typename Loads::SmemLayoutdPsum{});
     Tensor sP = make_tensor(make_smem_ptr(tensors.smem_p.data()), SmemLayoutP{});
     Tensor sPt = make_tensor(make_smem_ptr(tensors.smem_p.data()), SmemLayoutPt{});
     Tensor sdS = make_tensor(make_smem_ptr(tensors.smem_ds.data()), SmemLayoutP{});
@@ -121,16 +136,21 @@ struct BwdMainloopHeadSplit {
     Tensor tdKrQt = thread_mma_dkv.partition_fragment_A(sQt);
     Tensor tdKrdSt = thread_mma_dkv.partition_fragment_B(sdSt);
     Tensor tdQrdS = thread_mma_dq.partition_fragment_A(sdS);    // (MMA, MMA_M, MMA_K, buffers)
-    Tensor tdQrKt = thread_mma_dq.partition_fragment_B(sKt);
+    // K^T's rows of dQ slice j (its B operand).
+    auto dq_slice_b = [&](int j) {
+      return thread_mma_dq.partition_fragment_B(local_tile(sKt, Shape<Int<kDqSliceCols>, Int<kBlockN>>{}, make_coord(j, _0{})));
+    };
 
     auto const tile_sdp = Shape<Int<kBlockM>, Int<kBlockN>>{};
     Tensor tSrS = partition_fragment_C(tiled_mma_sdp, tile_sdp);    // S, then P in place
     Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, tile_sdp);  // dP, then dS in place
     Tensor tSrP16 = make_tensor_like<Element>(tSrS);
     Tensor tdPrdS16 = make_tensor_like<Element>(tdPrdP);
-    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, DqTile{});
+    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, DqSliceTile{});  // one slice at a time
 
-    auto smem_tiled_copy_p = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_sdp);
+    // stmatrix of four 8x8 matrices where a warpgroup's keys are a multiple of 16, two otherwise.
+    using StsmOp = std::conditional_t<kKeysPerWarpGroup % 16 == 0, SM90_U32x4_STSM_N, SM90_U32x2_STSM_N>;
+    auto smem_tiled_copy_p = make_tiled_copy_C(Copy_Atom<StsmOp, Element>{}, tiled_mma_sdp);
     auto smem_thread_copy_p = smem_tiled_copy_p.get_thread_slice(thread_idx);
     Tensor tPrP_copy = smem_thread_copy_p.retile_S(tSrP16);
     Tensor tPsP = smem_thread_copy_p.partition_D(sP);  // (CPY, CPY_M, CPY_N, buffers)
@@ -145,24 +165,26 @@ struct BwdMainloopHeadSplit {
 
     Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP> mask(thread_idx, params.seqlen_q, params.seqlen_k);
 
-    PipelineState read_state;  // Q and dO advance together
+    typename Loads::PipelineStateQ read_state_q;
+    typename Loads::PipelineStatedO read_state_do;
     bool zero_init_dkv = true;
-    auto step = [&](int i, auto masked) {
+    auto step = [&](int i, auto masked) __attribute__((always_inline)) {
       constexpr bool kMasked = decltype(masked)::value;
       int const m_block = work.m_block(i);
-      int const stage = read_state.index();
+      int const stage_q = read_state_q.index();
+      int const stage_do = read_state_do.index();
       int const buffer = i % kPBuffers;
-      pipeline_q.consumer_wait(read_state);
-      warpgroup_gemm<-1>(tiled_mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS, /*zero_init=*/true);
-      pipeline_do.consumer_wait(read_state);
-      warpgroup_gemm<-1>(tiled_mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP, /*zero_init=*/true);
+      pipeline_q.consumer_wait(read_state_q);
+      warpgroup_gemm<-1>(tiled_mma_sdp, tSrQ(_, _, _, stage_q), tSrK, tSrS, /*zero_init=*/true);
+      pipeline_do.consumer_wait(read_state_do);
+      warpgroup_gemm<-1>(tiled_mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP, /*zero_init=*/true);
       warpgroup_wait<1>();  // S is ready; dP still runs
       warpgroup_fence_operand(tSrS);
       if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, work.n_block); }
       Tensor scores = make_rowcol_view(tSrS);  // (queries, keys)
       CUTLASS_PRAGMA_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
-        float const lse_log2 = sLSE(query_of_row(mi), stage);
+        float const lse_log2 = sLSE(query_of_row(mi), stage_q);
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < size<1>(scores); ++ni) {
           scores(mi, ni) = exp2f(scores(mi, ni) * params.softmax_scale_log2 - lse_log2);
@@ -177,7 +199,7 @@ struct BwdMainloopHeadSplit {
       Tensor dP = make_rowcol_view(tdPrdP);
       CUTLASS_PRAGMA_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
-        float const dpsum = sdPsum(query_of_row(mi), stage);
+        float const dpsum = sdPsum(query_of_row(mi), stage_do);
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < size<1>(dP); ++ni) { dP(mi, ni) = scores(mi, ni) * (dP(mi, ni) - dpsum); }
       }
@@ -185,20 +207,28 @@ struct BwdMainloopHeadSplit {
       copy(smem_tiled_copy_p, tdSrdS_copy, tdSsdS(_, _, _, buffer));
       cutlass::arch::fence_view_async_shared();  // P and dS written by stmatrix, read next by GMMA
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdSReady));
-      // dQ first, so that its reductions are issued while the dV and dK GEMMs run.
-      warpgroup_gemm<-1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ, /*zero_init=*/true);
-      warpgroup_gemm<-1>(tiled_mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt(_, _, _, buffer), tdVrdV, zero_init_dkv);
-      warpgroup_gemm<-1>(tiled_mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, buffer), tdKrdK, zero_init_dkv);
+      // dV first, so that dO's stage is released early; dQ's first slice is handed over while dK's GEMM
+      // runs, its second while the next query block's S and dP GEMMs run.
+      static_assert(kDqSlices == 2);
+      warpgroup_gemm<-1>(tiled_mma_dkv, tdVrdOt(_, _, _, stage_do), tdVrPt(_, _, _, buffer), tdVrdV, zero_init_dkv);
+      warpgroup_gemm<-1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), dq_slice_b(0), tdQrdQ, /*zero_init=*/true);
+      warpgroup_gemm<-1>(tiled_mma_dkv, tdKrQt(_, _, _, stage_q), tdKrdSt(_, _, _, buffer), tdKrdK, zero_init_dkv);
       zero_init_dkv = false;
-      warpgroup_wait<2>();  // dQ done
-      warpgroup_fence_operand(tdQrdQ);
-      store_dq(tdQrdQ, i);
-      warpgroup_wait<0>();  // dV and dK GEMMs done: this stage of Q and dO is read
+      warpgroup_wait<2>();  // dV done: this stage of dO is read
       warpgroup_fence_operand(tdVrdV);
+      pipeline_do.consumer_release(read_state_do);
+      warpgroup_wait<1>();  // dQ's first slice done
+      warpgroup_fence_operand(tdQrdQ);
+      store_dq(tdQrdQ, i, 0);
+      warpgroup_gemm<-1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), dq_slice_b(1), tdQrdQ, /*zero_init=*/true);
+      warpgroup_wait<1>();  // dK done: this stage of Q is read
       warpgroup_fence_operand(tdKrdK);
-      pipeline_q.consumer_release(read_state);
-      pipeline_do.consumer_release(read_state);
-      ++read_state;
+      pipeline_q.consumer_release(read_state_q);
+      warpgroup_wait<0>();  // dQ's second slice done
+      warpgroup_fence_operand(tdQrdQ);
+      store_dq(tdQrdQ, i, 1);
+      ++read_state_q;
+      ++read_state_do;
     };
 
     work.template for_each_block<kBlockM, kBlockN, kIsCausal>(params.seqlen_q, params.seqlen_k, step);

@@ -81,7 +81,7 @@ namespace flash {
 // The static configuration of one backward kernel. A CTA owns kBlockN keys and walks the query blocks of
 // kBlockM rows that see them. Up to d128 each consumer warpgroup owns 64 keys (mainloop_bwd.h); beyond,
 // dK and dV of 64 keys no longer fit a warpgroup's registers, so the warpgroups split the head dim
-// (mainloop_bwd_headsplit.h) over smaller K/V blocks.
+// (mainloop_bwd_headsplit.h) over a block of 80 keys.
 template <class Element_, int kHeadDim_, bool kIsCausal_>
 struct BwdConfig {
   static_assert(sizeof(Element_) == 2, "16-bit backward");
@@ -98,8 +98,22 @@ struct BwdConfig {
   // section 16).
   static constexpr int kBlockM = kHeadDim <= 64 ? 128 : (kHeadDim == 128 && !kIsCausal ? 80 : 64);
 #endif
-  static constexpr int kBlockN = kHeadSplit ? 64 : 128;
-  static constexpr int kStages = 2;  // Q and dO pipeline depth
+#if defined(FLASH_EXT_BWD_TILE_N)
+  static constexpr int kBlockN = FLASH_EXT_BWD_TILE_N;  // tile experiments in variant builds only
+#else
+  // Keys per CTA. Beyond d128: 80 (FA3's tile; dK and dV take 160 registers a thread, dQ is computed in
+  // slices): the dQ adds, which bound that kernel, are 20% fewer per FLOP than with 64 keys (+7-10% at
+  // 8k, perf-notes section 17).
+  static constexpr int kBlockN = kHeadSplit ? 80 : 128;
+#endif
+  // Q and dO pipeline depths. With 80 keys of d256, two dO stages no longer fit shared memory; dO is
+  // released as soon as dV's GEMM has read it.
+  static constexpr int kStagesQ = 2;
+#if defined(FLASH_EXT_BWD_STAGES_DO)
+  static constexpr int kStagesdO = FLASH_EXT_BWD_STAGES_DO;
+#else
+  static constexpr int kStagesdO = kHeadSplit ? 1 : 2;
+#endif
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;

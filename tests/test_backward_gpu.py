@@ -83,12 +83,13 @@ def test_backward_matches_reference(headdim, dtype, seqlens, heads, causal):
     _check_grads(q, k, v, dout, causal)
 
 
-# Query lengths at the edges of every kernel's query block (64, 80 at d128 non-causal, 128 at d64): the
-# padding rows of the last block, and lengths a block longer than the keys and shorter.
-@pytest.mark.parametrize("seqlens", [(79, 300), (81, 81), (161, 255), (129, 129), (257, 130)], ids=lambda s: f"sq{s[0]}sk{s[1]}")
+# Lengths at the edges of every kernel's query block (64, 80 at d128 non-causal, 128 at d64) and K/V block
+# (128; 80 at d256): the padding rows of the last block, and lengths a block longer than the keys and shorter.
+@pytest.mark.parametrize("seqlens", [(79, 300), (81, 81), (161, 255), (129, 129), (257, 130), (100, 79), (64, 161), (200, 240)],
+                         ids=lambda s: f"sq{s[0]}sk{s[1]}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("headdim", BWD_HEADDIMS)
-def test_backward_query_block_edges(headdim, causal, seqlens):
+def test_backward_block_edges(headdim, causal, seqlens):
     q, k, v, dout = _make(2, seqlens[0], seqlens[1], 4, 2, headdim, torch.bfloat16, seed=headdim + seqlens[0])
     _check_grads(q, k, v, dout, causal)
 
