@@ -32,7 +32,11 @@ using namespace cute;
 template <int kBlockM, int kHeadDim, int kNumMmaThreads>
 struct DqAccumulator {
   static constexpr int kBlockFloats = kBlockM * kHeadDim;
-  static constexpr int kBuffers = 1;  // 2 measured no faster (perf-notes section 12)
+#if defined(FLASH_EXT_DQ_BUFFERS)
+  static constexpr int kBuffers = FLASH_EXT_DQ_BUFFERS;  // experiments in variant builds only
+#else
+  static constexpr int kBuffers = 1;  // 2 measured no faster, or slower (perf-notes sections 12, 17)
+#endif
   static constexpr uint32_t kBarrierThreads = kNumMmaThreads + cutlass::NumThreadsPerWarp;  // + the writer warp
 
   struct TensorStorage {
