@@ -163,7 +163,6 @@ struct BwdMainloopHeadSplit {
     constexpr int kRows = decltype(size<0>(coords_rc))::value;
     auto query_of_row = [&](int mi) { return int(get<0>(coords_rc(mi, 0))); };
 
-    Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP> mask(thread_idx, params.seqlen_q, params.seqlen_k);
 
     typename Loads::PipelineStateQ read_state_q;
     typename Loads::PipelineStatedO read_state_do;
@@ -180,7 +179,12 @@ struct BwdMainloopHeadSplit {
       warpgroup_gemm<-1>(tiled_mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP, /*zero_init=*/true);
       warpgroup_wait<1>();  // S is ready; dP still runs
       warpgroup_fence_operand(tSrS);
-      if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, work.n_block); }
+      if constexpr (kMasked) {
+        // Built here, not before the loop: its fields are then not live across the unmasked steps (at 80
+        // keys ptxas otherwise spilled a register of the loop).
+        Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP> mask(thread_idx, params.seqlen_q, params.seqlen_k);
+        mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, work.n_block);
+      }
       Tensor scores = make_rowcol_view(tSrS);  // (queries, keys)
       CUTLASS_PRAGMA_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
