@@ -1,8 +1,9 @@
 // The backward's producer collective, shared by both consumer layouts (mainloop_bwd.h,
 // mainloop_bwd_headsplit.h): K and V of the CTA's block once (one transaction barrier); then per query
 // block Q with its LSE_log2, and dO with its dPsum (both from the preprocess kernel), through two TMA
-// pipelines (as deep as their layouts have stages; dO's may be shallower where shared memory is short). (Consumers reading the forward's LSE from global memory instead measured
-// 20-30% slower: perf-notes section 9.)
+// pipelines, as deep as their layouts have stages (dO's may be shallower where shared memory is short).
+// (Consumers reading the forward's LSE from global memory instead measured 20-30% slower: perf-notes
+// section 9.)
 // It owns those buffers, their TMA descriptors and barriers, and the list of query blocks a CTA walks.
 #pragma once
 
