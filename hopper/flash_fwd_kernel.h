@@ -194,9 +194,8 @@ struct FwdKernel {
         }
       } else if (Mainloop::kTransposeV && warp_idx > 0) {
         static_assert(!(kPersistent && Mainloop::kTransposeV), "the transposing warps compute one tile");
-        typename Mainloop::TransposeState state;
-        Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, state,
-                                 n_block_max(scheduler.coord(scheduler.first())), int(threadIdx.x) - cutlass::NumThreadsPerWarp);
+        Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, n_block_max(scheduler.coord(scheduler.first())),
+                                 int(threadIdx.x) - cutlass::NumThreadsPerWarp);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();

@@ -62,7 +62,8 @@ struct FwdMainloop {
   using SmemLayoutK = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutV = SmemLayoutK;  // as the TMA writes it; FP8: the staging buffer
   // FP8: stages of transposed V. A third one, where shared memory allows, lets the transposing warps run a
-  // block further ahead of GEMM1: 690 -> 723 TFLOP/s at d128 8k (perf-notes section 14).
+  // block further ahead of GEMM1: 690 -> 723 TFLOP/s at d128 8k (perf-notes section 14). (One staging stage
+  // for three V^T stages at d256 measured 5% slower than two and two: perf-notes section 20.)
   static constexpr int kStagesVt =
       kTransposeV && (kBlockM + kBlockN * (2 * kStages + 3)) * kHeadDim + 2 * 1024 <= 227 * 1024 ? 3 : kStages;
   // V^T (headdim, kBlockN, stages) for GEMM1's B operand: 16-bit, the same bytes as V viewed transposed;
@@ -71,10 +72,17 @@ struct FwdMainloop {
       decltype(smem_layout_k_major<Element>(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStagesVt>>{}));
   using SmemLayoutVt =
       std::conditional_t<kTransposeV, SmemLayoutVtTransposed, decltype(transposed_view(SmemLayoutV{}))>;
-  // Warps 1-3 of the producer warpgroup; warp 0 holds the TMA thread.
+  // Warps 1-3 of the producer warpgroup; warp 0 holds the TMA thread. Two tiles in flight per warp need
+  // more than the 24 registers of a lean producer (ptxas spilled the loop's state there).
   static constexpr int kNumTransposeThreads = cutlass::NumThreadsPerWarpGroup - cutlass::NumThreadsPerWarp;
+#ifdef FLASH_EXT_TRANSPOSE_TILES_IN_FLIGHT  // variant builds (A/B)
+  static constexpr int kTransposeTilesInFlight = FLASH_EXT_TRANSPOSE_TILES_IN_FLIGHT;
+#else
+  static constexpr int kTransposeTilesInFlight = Config::kProducerRegs >= 32 ? 2 : 1;
+#endif
   using Transposer = VTransposer<kBlockN, kHeadDim, decltype(take<0, 2>(SmemLayoutV{})),
-                                 decltype(take<0, 2>(SmemLayoutVtTransposed{})), kNumTransposeThreads>;
+                                 decltype(take<0, 2>(SmemLayoutVtTransposed{})), kNumTransposeThreads,
+                                 kTransposeTilesInFlight>;
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename PipelineKV::PipelineState;
@@ -223,31 +231,28 @@ struct FwdMainloop {
   // One thread, once the tile's Q is no longer needed (by GEMM0, nor as the epilogue's staging buffer).
   __device__ static void release_q(BarrierStorage& barriers) { barriers.barrier_q_empty.arrive(); }
 
-  // A transposing thread's place in the staging buffer (read) and in V^T (write).
-  struct TransposeState {
-    PipelineState staged_read;
-    typename PipelineVt::PipelineState vt_write = cutlass::make_producer_start_state<PipelineVt>();
-  };
-
   // FP8, transposing warps (thread_idx 0 .. kNumTransposeThreads - 1): every staged V block of one tile,
-  // in the TMA's order, into V^T, each handed to the consumers as soon as it is written.
-  __device__ static void transpose_tile(TensorStorage& tensors, BarrierStorage& barriers, TransposeState& state,
-                                        int n_block_max, int thread_idx) {
+  // in the TMA's order, into V^T, each handed to the consumers as soon as it is written. The stages and
+  // phases of both buffers follow from the block count (one tile per CTA: both start at stage 0, and the
+  // staging buffer's producer is the TMA, which starts at phase 1 of its empty barriers): fewer live
+  // registers than two pipeline states, which the lean producer (24 registers) would spill.
+  __device__ static void transpose_tile(TensorStorage& tensors, BarrierStorage& barriers, int n_block_max,
+                                        int thread_idx) {
     if constexpr (kTransposeV) {
       constexpr int kStageBytes = int(size(take<0, 2>(SmemLayoutV{})) * sizeof(Element));
       static_assert(kStageBytes % 1024 == 0, "stage offsets keep the swizzle phase");
       auto const* staged_base = reinterpret_cast<uint8_t const*>(tensors.smem_v.data());
       auto* transposed_base = reinterpret_cast<uint8_t*>(tensors.smem_vt.data());
-      for (int block = 0; block < n_block_max; ++block) {
-        int const staged = state.staged_read.index(), vt = state.vt_write.index();
-        barriers.pipeline_v.full_barrier_[staged].wait(state.staged_read.phase());
-        barriers.pipeline_vt.empty_barrier_[vt].wait(state.vt_write.phase());
+      for (uint32_t block = 0; block < uint32_t(n_block_max); ++block) {
+        uint32_t const staged = block % kStages, vt = block % kStagesVt;
+        // Consumer of the staging buffer: its full barrier's phase starts at 0. Producer of V^T: its empty
+        // barrier's starts at 1 (the buffer begins empty).
+        barriers.pipeline_v.full_barrier_[staged].wait((block / kStages) & 1);
+        barriers.pipeline_vt.empty_barrier_[vt].wait(((block / kStagesVt) & 1) ^ 1);
         Transposer::run(staged_base + staged * kStageBytes, transposed_base + vt * kStageBytes, thread_idx);
         cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by GMMA
         barriers.pipeline_vt.full_barrier_[vt].arrive();
         barriers.pipeline_v.empty_barrier_[staged].arrive();  // this thread's reads are done
-        ++state.staged_read;
-        ++state.vt_write;
       }
     }
   }

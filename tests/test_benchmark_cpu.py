@@ -116,6 +116,12 @@ def test_custom_grids():
 
 def test_modes_and_backends():
     assert cli.resolve_modes("both") == ["fwd", "bwd"]
+    # FP8 is forward-only: "auto" times the forward alone, an explicit backward is an error.
+    assert cli.resolve_modes("auto", "fp8") == ["fwd"]
+    assert cli.resolve_modes("fwd", "fp8") == ["fwd"]
+    for mode in ("bwd", "both"):
+        with pytest.raises(ValueError, match="FP8 is forward-only"):
+            cli.resolve_modes(mode, "fp8")
     assert cli.resolve_modes("auto") == (["fwd", "bwd"] if backends.flash_ext_has_backward() else ["fwd"])
     keys = cli.select_backends(_args("--flex"))
     assert keys[0] == "flash_ext" and "flex" in keys and "sdpa_math" in keys

@@ -131,7 +131,12 @@ def build_grid(args):
     return shapes
 
 
-def resolve_modes(mode):
+def resolve_modes(mode, dtype="bf16"):
+    """The passes to time. FP8 is forward-only: "auto" gives the forward alone, an explicit backward raises."""
+    if dtype == "fp8":
+        if mode in ("bwd", "both"):
+            raise ValueError(f"--mode {mode}: FP8 is forward-only (flash_ext has no FP8 backward, SDPA no FP8 attention)")
+        return ["fwd"]
     if mode == "auto":
         mode = "both" if flash_ext_has_backward() else "fwd"
     return {"fwd": ["fwd"], "bwd": ["bwd"], "both": ["fwd", "bwd"]}[mode]
@@ -228,7 +233,10 @@ def main(argv=None):
         parser.error(str(e))
     if args.warmup_ms <= 0 or args.repeat_ms <= 0:
         parser.error("--warmup-ms and --repeat-ms must be positive")
-    modes = resolve_modes(args.mode)
+    try:
+        modes = resolve_modes(args.mode, args.dtype)
+    except ValueError as e:
+        parser.error(str(e))
     backend_keys = select_backends(args)
     if args.dry_run:
         print(format_dry_run(shapes, modes, backend_keys, args))
