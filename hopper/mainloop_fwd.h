@@ -10,7 +10,10 @@
 // Consumers (each warpgroup owns 64 rows): per K/V block, in the order of the seed's mainloop,
 //   GEMM0 S = Q K^T, mask, max_get_scale, online_softmax, rescale_o, GEMM1 O += P V,
 // with intra-warpgroup overlap: GEMM0 of block n and GEMM1 of block n+1 (the previous one) are issued
-// together; the softmax of block n runs while GEMM1 is still on the tensor cores.
+// together, so that the softmax of block n can run while GEMM1 is still on the tensor cores. ptxas issues
+// GEMM1's wait ahead of the exponentials unless Config::kSoftmaxUnderGemm1 makes it follow them (measured
+// per configuration: perf-notes sections 19 and 21); the ping-pong of the warpgroups hides the softmax
+// under the other warpgroup's GEMMs either way.
 #pragma once
 
 #include <cmath>
@@ -389,6 +392,7 @@ struct FwdMainloop {
       if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kCausalMask=*/true>(tSrS, m_block, n_block); }
       auto scores_scale = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
       softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
+      if constexpr (Config::kSoftmaxUnderGemm1) { warpgroup_wait_all_after(softmax.row_sum); }
       warpgroup_wait<0>();  // GEMM1 done: O can be rescaled and P overwritten
       warpgroup_fence_operand(tOrO);
       pipeline_v.consumer_release(read_v);

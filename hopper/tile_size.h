@@ -72,6 +72,15 @@ struct FwdConfig {
   // (perf-notes section 2); compiled out of d192/d256 causal, where its extra live registers made ptxas
   // spill. Where compiled in, FLASH_EXT_PINGPONG=0/1 switches it at run time for A/B measurements.
   static constexpr bool kPingPong = kHeadDim <= 128 || !kIsCausal;
+  // Each block's softmax held under the warpgroup's own GEMM1 as well as under the other warpgroup's GEMMs
+  // (GEMM1's wait made to follow the exponentials; ptxas otherwise issues it first: perf-notes section 19).
+  // 16-bit d256 non-causal: +0-6% from 512 to 16k; d192 non-causal 2-8% slower, d256 causal mixed (-3% to
+  // +5%), FP8 and d128 3-6% slower (perf-notes sections 19 and 21).
+#ifdef FLASH_EXT_SOFTMAX_UNDER_GEMM1  // variant builds (A/B)
+  static constexpr bool kSoftmaxUnderGemm1 = FLASH_EXT_SOFTMAX_UNDER_GEMM1;
+#else
+  static constexpr bool kSoftmaxUnderGemm1 = !kIsFp8 && kHeadDim == 256 && !kIsCausal;
+#endif
 };
 
 }  // namespace flash

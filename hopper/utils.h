@@ -132,6 +132,17 @@ CUTE_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TensorA const& tCrA, Tensor
   if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TensorA&>(tCrA)); }
 }
 
+// wgmma.wait_group 0 that cannot issue before `nonnegative` (floats with the sign bit clear, e.g. row sums)
+// is computed: predicated on their bits, so always taken. ptxas issues an input-less wait as early as it
+// can, ahead of work that does not need it (perf-notes section 19); this one follows that work.
+template <class Tensor>
+CUTE_DEVICE void warpgroup_wait_all_after(Tensor const& nonnegative) {
+  uint32_t bits = 0;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(nonnegative); ++i) { bits |= __float_as_uint(nonnegative(i)); }
+  asm volatile("{\n.reg .pred p;\nsetp.ge.s32 p, %0, 0;\n@p wgmma.wait_group.sync.aligned 0;\n}\n" ::"r"(bits) : "memory");
+}
+
 // P (the fp32 GEMM0 accumulator after the softmax) into GEMM1's register A operand of the input type.
 template <class EngineAcc, class LayoutAcc, class EngineP, class LayoutP>
 CUTE_DEVICE void convert_acc_to_a_regs(Tensor<EngineAcc, LayoutAcc> const& acc, Tensor<EngineP, LayoutP>& p) {
