@@ -3,6 +3,8 @@
     out, lse = flash_ext.forward(q, k, v, softmax_scale=None, causal=False)
     dq, dk, dv = flash_ext.backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False)
     out = flash_ext.flash_attn_func(q, k, v, causal=True)   # FlashAttention-3's signature, differentiable
+    out = flash_ext.flash_attn_qkvpacked_func(qkv, causal=True)  # q, k, v stacked, as FA3 takes them
+    out = flash_ext.sdpa(query, key, value, is_causal=True)   # F.scaled_dot_product_attention's signature
     q8, k8, v8, qd, kd, vd = flash_ext.fp8.quantize_qkv(q, k, v)  # FP8 forward: e4m3 in, bf16 out
     out, lse = flash_ext.forward(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
 
@@ -11,10 +13,11 @@ sm_90 GPU. `flash_ext.reference` holds the float64 references and the CPU emulat
 online softmax; `flash_ext.kernel_table` the list of kernels a full build compiles.
 """
 from . import fp8, kernel_table, reference
-from .fa3_compat import flash_attn_func
+from .fa3_compat import flash_attn_func, flash_attn_qkvpacked_func
 from .interface import attention, backward, build_info, extension_available, forward, has_kernel, kernel_headdim
 from .kernel_table import KERNEL_HEADDIMS
 from .reference import attention_ref
+from .sdpa_compat import sdpa
 
 __version__ = "0.1.0"
 
@@ -23,6 +26,8 @@ __all__ = [
     "backward",
     "attention",
     "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "sdpa",
     "attention_ref",
     "reference",
     "fp8",

@@ -17,14 +17,14 @@ _NEUTRAL = {
 }
 
 
-def _reject_unsupported(**kwargs):
+def _reject_unsupported(function, **kwargs):
     for name, value in kwargs.items():
         neutral = _NEUTRAL[name]
         if isinstance(neutral, tuple) and isinstance(value, (tuple, list)):
             value = tuple(value)
         if value is not neutral and value != neutral:
             raise NotImplementedError(
-                f"flash_attn_func: {name}={value!r} is not supported by flash_ext yet (only its default {neutral!r})"
+                f"{function}: {name}={value!r} is not supported by flash_ext yet (only its default {neutral!r})"
             )
 
 
@@ -36,8 +36,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     FP8 (torch.float8_e4m3fn) q, k, v with q_descale/k_descale/v_descale (float32 (batch, nheads_kv), None =
     1) run the FP8 forward, which returns bf16 and is not differentiable.
     Returns out, or (out, softmax_lse) with return_attn_probs=True, as FA3 does."""
-    _reject_unsupported(qv=qv, window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
-                        num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin)
+    _reject_unsupported("flash_attn_func", qv=qv, window_size=window_size, attention_chunk=attention_chunk,
+                        softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin)
     if not isinstance(return_attn_probs, bool):
         raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
     if any(t is not None for t in (q_descale, k_descale, v_descale)) or (
@@ -47,3 +47,42 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     else:
         out, lse = attention(q, k, v, softmax_scale, causal, deterministic)
     return (out, lse) if return_attn_probs else out
+
+
+def _unpack_qkv(qkv, num_heads_q):
+    """FA3's packed layouts: (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, nheads_q + 2 * nheads_kv,
+    headdim) with num_heads_q given. Returns views of q, k, v."""
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"flash_attn_qkvpacked_func: qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3:
+            raise ValueError("flash_attn_qkvpacked_func: a 5-D qkv must be (batch, seqlen, 3, nheads, headdim), "
+                             f"got shape {tuple(qkv.shape)}")
+        if num_heads_q is not None:
+            raise ValueError("flash_attn_qkvpacked_func: num_heads_q is only for a 4-D qkv "
+                             "(batch, seqlen, nheads_q + 2 * nheads_kv, headdim)")
+        return qkv.unbind(dim=2)
+    if qkv.dim() == 4:
+        if isinstance(num_heads_q, bool) or not isinstance(num_heads_q, int):
+            raise ValueError("flash_attn_qkvpacked_func: a 4-D qkv (batch, seqlen, nheads_q + 2 * nheads_kv, "
+                             f"headdim) needs num_heads_q (an int), got {num_heads_q!r}")
+        num_heads_kv2 = qkv.shape[2] - num_heads_q
+        if num_heads_q <= 0 or num_heads_kv2 <= 0 or num_heads_kv2 % 2 != 0:
+            raise ValueError(f"flash_attn_qkvpacked_func: qkv's {qkv.shape[2]} heads are not num_heads_q="
+                             f"{num_heads_q} plus twice a positive number of KV heads")
+        return qkv.split([num_heads_q, num_heads_kv2 // 2, num_heads_kv2 // 2], dim=2)
+    raise ValueError("flash_attn_qkvpacked_func: qkv must be 5-D (batch, seqlen, 3, nheads, headdim) or 4-D "
+                     f"(batch, seqlen, nheads_q + 2 * nheads_kv, headdim), got shape {tuple(qkv.shape)}")
+
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
+                              window_size=(-1, -1), attention_chunk=0, softcap=0.0, deterministic=False,
+                              num_heads_q=None, sm_margin=0, return_attn_probs=False):
+    """FA3's flash_attn_qkvpacked_func: q, k and v stacked in one tensor (see _unpack_qkv), otherwise as
+    flash_attn_func. Differentiable (the gradient lands in qkv's layout)."""
+    _reject_unsupported("flash_attn_qkvpacked_func", window_size=window_size, attention_chunk=attention_chunk,
+                        softcap=softcap, sm_margin=sm_margin)
+    q, k, v = _unpack_qkv(qkv, num_heads_q)
+    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
+                           k_descale=k_descale, v_descale=v_descale, deterministic=deterministic,
+                           return_attn_probs=return_attn_probs)

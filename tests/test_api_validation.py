@@ -259,3 +259,55 @@ def test_backward_non_tensor_lse():
 def test_flash_attn_func_unsupported_arguments(name, value):
     with pytest.raises(NotImplementedError, match=rf"{name}=.* is not supported by flash_ext yet"):
         flash_ext.flash_attn_func(*qkv(), **{name: value})
+
+
+def test_flash_attn_qkvpacked_func_argument_errors():
+    with pytest.raises(NotImplementedError, match=r"flash_attn_qkvpacked_func: softcap=50.0 is not supported"):
+        flash_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 3, 2, 64).half(), softcap=50.0)
+    with pytest.raises(TypeError, match=r"qkv must be a torch.Tensor, got list"):
+        flash_ext.flash_attn_qkvpacked_func([0.0])
+    with pytest.raises(ValueError, match=r"a 5-D qkv must be \(batch, seqlen, 3, nheads, headdim\)"):
+        flash_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 2, 2, 64).half())
+    with pytest.raises(ValueError, match=r"num_heads_q is only for a 4-D qkv"):
+        flash_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 3, 2, 64).half(), num_heads_q=2)
+    with pytest.raises(ValueError, match=r"needs num_heads_q"):
+        flash_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 6, 64).half())
+    with pytest.raises(ValueError, match=r"not num_heads_q=3 plus twice a positive number of KV heads"):
+        flash_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 6, 64).half(), num_heads_q=3)
+    with pytest.raises(ValueError, match=r"must be 5-D .* or 4-D"):
+        flash_ext.flash_attn_qkvpacked_func(torch.randn(8, 6, 64).half())
+
+
+def test_flash_attn_qkvpacked_func_unpacks_views():
+    from flash_ext.fa3_compat import _unpack_qkv
+
+    packed = torch.randn(2, 8, 3, 4, 64)
+    q, k, v = _unpack_qkv(packed, None)
+    assert q.shape == (2, 8, 4, 64) and torch.equal(k, packed[:, :, 1]) and q.data_ptr() == packed.data_ptr()
+    gqa = torch.randn(2, 8, 8 + 2 * 2, 64)
+    q, k, v = _unpack_qkv(gqa, 8)
+    assert (q.shape[2], k.shape[2], v.shape[2]) == (8, 2, 2) and torch.equal(v, gqa[:, :, 10:])
+
+
+def _sdpa_inputs(heads=2, heads_kv=2, seq=8):
+    return (torch.randn(1, heads, seq, 64).half(), torch.randn(1, heads_kv, seq, 64).half(),
+            torch.randn(1, heads_kv, seq, 64).half())
+
+
+def test_sdpa_argument_errors():
+    q, k, v = _sdpa_inputs()
+    with pytest.raises(NotImplementedError, match=r"sdpa: attn_mask is not supported"):
+        flash_ext.sdpa(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match=r"sdpa: dropout_p=0.1 is not supported"):
+        flash_ext.sdpa(q, k, v, dropout_p=0.1)
+    with pytest.raises(TypeError, match=r"is_causal must be a bool"):
+        flash_ext.sdpa(q, k, v, is_causal=1)
+    with pytest.raises(TypeError, match=r"sdpa: key must be a torch.Tensor"):
+        flash_ext.sdpa(q, None, v)
+    with pytest.raises(ValueError, match=r"sdpa: query must be 4-D \(batch, heads, seq, dim\)"):
+        flash_ext.sdpa(q[0], k, v)
+    q, k, v = _sdpa_inputs(heads=4, heads_kv=2)
+    with pytest.raises(ValueError, match=r"pass enable_gqa=True"):
+        flash_ext.sdpa(q, k, v)
+    with pytest.raises(ValueError, match=r"key and value must have the same number of heads"):
+        flash_ext.sdpa(q, k, v[:, :1], enable_gqa=True)
