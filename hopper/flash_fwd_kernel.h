@@ -203,13 +203,14 @@ struct FwdKernel {
       typename Mainloop::PipelineState read_k;  // consumer states start at stage 0, phase 0
       typename Mainloop::PipelineStateV read_v;
       using ElementOut = typename Config::ElementOut;
-      // Where O is staged; kOInVStage: the V stage of the tile's last GEMM1, the one before read_v's.
+      // kOInVStage: the V stage of the tile's last GEMM1, the one before read_v's.
+      auto last_v_stage = [&] { return (read_v.index() + Mainloop::kStages - 1) % Mainloop::kStages; };
+      // Where O is staged.
       auto smem_o = [&] {
         if constexpr (kOwnOBuffer) {
           return storage.tensors.epilogue.smem_o.data();
         } else if constexpr (kOInVStage) {
-          int const last_v_stage = (read_v.index() + Mainloop::kStages - 1) % Mainloop::kStages;
-          return reinterpret_cast<ElementOut*>(Mainloop::smem_v_stage(storage.tensors.mainloop, last_v_stage));
+          return reinterpret_cast<ElementOut*>(Mainloop::smem_v_stage(storage.tensors.mainloop, last_v_stage()));
         } else if constexpr (kStageOInVt) {
           return reinterpret_cast<ElementOut*>(Mainloop::smem_vt(storage.tensors.mainloop));
         } else {
@@ -244,7 +245,7 @@ struct FwdKernel {
           if (kOInVStage && iteration > 0 && thread_idx == 0) {
             // The previous tile's O stage, once its store has read it (it had the time of this Q load).
             tma_store_wait<0>();
-            Mainloop::release_v_stage(pipelines, (read_v.index() + Mainloop::kStages - 1) % Mainloop::kStages);
+            Mainloop::release_v_stage(pipelines, last_v_stage());
           }
           TileCoord const volatile& slot = storage.tile_slots[iteration & 1];
           TileCoord const tile{slot.block, slot.head, slot.batch};

@@ -22,17 +22,20 @@ struct FwdLauncher {
   static void run(FwdParams const& p, cudaStream_t stream) {
     int const device = current_device();
     auto const mode = Policy::launch_mode(p);
-    dim3 const grid = Policy::scheduler(p).grid(mode.persistent, num_sms(device));
+    // The kernel's parameters hold the tile scheduler, which also gives the grid: built once per call.
+    auto launch = [&](auto kernel) {
+      using Kernel = decltype(kernel);
+      auto const params = Kernel::to_params(p);
+      launch_kernel<Kernel>(params.scheduler.grid(mode.persistent, num_sms(device)), params, device, stream);
+    };
     if constexpr (Policy::kPersistentCapable) {
       if (mode.persistent) {
         if (mode.dynamic) { FLASH_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, Policy::workspace_bytes(p), stream)); }
-        using Kernel = FwdKernel<Config, /*kPersistent=*/true>;
-        launch_kernel<Kernel>(grid, Kernel::to_params(p), device, stream);
+        launch(FwdKernel<Config, /*kPersistent=*/true>{});
         return;
       }
     }
-    using Kernel = FwdKernel<Config, /*kPersistent=*/false>;
-    launch_kernel<Kernel>(grid, Kernel::to_params(p), device, stream);
+    launch(FwdKernel<Config, /*kPersistent=*/false>{});
   }
 };
 
