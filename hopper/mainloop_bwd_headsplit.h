@@ -163,7 +163,6 @@ struct BwdMainloopHeadSplit {
     constexpr int kRows = decltype(size<0>(coords_rc))::value;
     auto query_of_row = [&](int mi) { return int(get<0>(coords_rc(mi, 0))); };
 
-
     typename Loads::PipelineStateQ read_state_q;
     typename Loads::PipelineStatedO read_state_do;
     bool zero_init_dkv = true;

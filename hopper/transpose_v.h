@@ -21,12 +21,6 @@ namespace flash {
 
 using namespace cute;
 
-// The actual key (within its 16-key half step) at a logical position 4q + i.
-__host__ __device__ constexpr int fp8_key_of_logical(int logical) {
-  int const q = (logical % 16) / 4, i = logical % 4;
-  return (logical / 16) * 16 + 8 * (i / 2) + 2 * q + i % 2;
-}
-
 // kThreads threads transpose one (kBlockN keys, kHeadDim) block of bytes, laid out as LayoutV (head dim
 // contiguous, TMA's layout), into LayoutVt (kHeadDim, kBlockN) (keys contiguous in logical order, GMMA's
 // K-major layout). Both are K-major layouts of 8-row swizzle atoms (layouts.h): offset(r, c) =
