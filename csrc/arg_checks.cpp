@@ -141,6 +141,9 @@ AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor co
                         s.batch * s.nheads * ((std::max(s.seqlen_q, s.seqlen_k) + 63) / 64) < (int64_t(1) << 31),
                     "problem too large: batch * nheads * seqlen / 64 must stay below 2^31, got q ", tuple_str(q.sizes()),
                     ", k ", tuple_str(k.sizes()));
+  // The kernels' band arithmetic (mask.h) adds the two lengths and a tile.
+  TORCH_CHECK_VALUE(s.seqlen_q + s.seqlen_k < (int64_t(1) << 30), "problem too large: seqlen_q + seqlen_k must stay below "
+                    "2^30, got ", s.seqlen_q, " + ", s.seqlen_k);
   TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be a finite positive number, got ",
                     softmax_scale);
   check_layout(q, "q");
@@ -177,6 +180,22 @@ void check_descale(at::Tensor const& t, char const* name, AttentionShape const& 
   TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(sizes), name, " must have shape (batch, nheads_kv) = ", tuple_str(sizes),
                     ", got ", tuple_str(t.sizes()));
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be torch.float32, got ", torch_name(t.scalar_type()));
+}
+
+ScoreOptionsChecked check_score_options(bool causal, int64_t window_left, int64_t window_right, double softcap,
+                                        AttentionShape const& s) {
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "window_size must be (left, right) with each -1 (unbounded) "
+                    "or >= 0, got (", window_left, ", ", window_right, ")");
+  TORCH_CHECK_VALUE(!causal || window_right <= 0, "window_size (", window_left, ", ", window_right, ") with causal=True: "
+                    "causal attention is the window (left, 0), so right must be -1 or 0");
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap must be a finite number >= 0 (0 = off), got ", softcap);
+  // Query i sees keys j <= i + seqlen_k - seqlen_q + right and j >= i + seqlen_k - seqlen_q - left: a bound that
+  // holds for every query and key is no bound (so a window wider than the sequences runs the non-causal kernel).
+  if (window_left >= s.seqlen_k - 1) { window_left = -1; }
+  if (causal) { window_right = 0; }
+  if (window_right >= s.seqlen_q - 1 && !causal) { window_right = -1; }
+  bool const banded = causal || window_left >= 0 || window_right >= 0;
+  return {int(window_left), int(window_right), float(softcap), banded};
 }
 
 void check_lse(at::Tensor const& t, char const* name, AttentionShape const& s) {

@@ -38,6 +38,18 @@ void check_tensor_like(at::Tensor const& t, char const* name, at::IntArrayRef si
 // lse (or its gradient dlse) of a forward call: float32 (batch, nheads, seqlen_q).
 void check_lse(at::Tensor const& t, char const* name, AttentionShape const& s);
 
+// The window and softcap arguments (FlashAttention's window_size = (left, right), -1 = unbounded) as the
+// kernels take them: values checked (ValueError naming window_size / softcap), bounds past the sequences
+// made unbounded, and causal (the band (-1, 0)) folded in. `banded` says whether the call needs a banded
+// (causal) kernel.
+struct ScoreOptionsChecked {
+  int window_left, window_right;
+  float softcap;
+  bool banded;
+};
+ScoreOptionsChecked check_score_options(bool causal, int64_t window_left, int64_t window_right, double softcap,
+                                        AttentionShape const& s);
+
 // Last, so that shape and dtype errors are reported for CPU tensors too: every tensor on one CUDA
 // device, an sm_90 one.
 void check_on_gpu(std::vector<std::pair<at::Tensor const*, char const*>> const& tensors, char const* op);

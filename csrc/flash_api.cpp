@@ -28,9 +28,13 @@ flash::StridedTensor strided(at::Tensor const& t) {
   return {t.data_ptr(), tma_stride(t, 0), tma_stride(t, 1), tma_stride(t, 2)};
 }
 
-// The problem sizes both directions' parameters carry.
+// The problem sizes and score options both directions' parameters carry.
 template <class Params>
-void set_sizes(Params& params, flash_api::AttentionShape const& s, double softmax_scale) {
+void set_sizes(Params& params, flash_api::AttentionShape const& s, double softmax_scale,
+               flash_api::ScoreOptionsChecked const& options) {
+  params.options.window_left = options.window_left;
+  params.options.window_right = options.window_right;
+  params.options.softcap = options.softcap;
   params.batch = int(s.batch);
   params.seqlen_q = int(s.seqlen_q);
   params.seqlen_k = int(s.seqlen_k);
@@ -58,12 +62,13 @@ flash::DescaleTensor descale_tensor(std::optional<at::Tensor> const& t) {
   return {t->data_ptr<float>(), t->stride(0), t->stride(1)};
 }
 
+// `banded`: the causal kernel, which also runs sliding windows (hopper/mask.h).
 template <class Params>
 typename flash::KernelRegistry<Params>::Entry const& find_kernel(char const* direction, int kernel_hdim,
-                                                                 at::ScalarType dtype, bool causal) {
-  auto const* entry = flash::KernelRegistry<Params>::find(kernel_hdim, dtype_name(dtype), causal);
+                                                                 at::ScalarType dtype, bool causal, bool banded) {
+  auto const* entry = flash::KernelRegistry<Params>::find(kernel_hdim, dtype_name(dtype), banded);
   TORCH_CHECK(entry != nullptr, "flash_ext was built without the ", dtype_name(dtype), " head dim ", kernel_hdim, " ",
-              causal ? "causal" : "non-causal", " ", direction,
+              causal ? "causal" : banded ? "causal (which runs sliding windows)" : "non-causal", " ", direction,
               " kernel (build switches FLASH_EXT_HEADDIMS / FLASH_EXT_DTYPES / FLASH_EXT_CAUSAL / FLASH_EXT_BACKWARD, "
               "or no such kernel yet: flash_ext/kernel_table.py); rebuild to use it");
   return *entry;
@@ -73,9 +78,11 @@ typename flash::KernelRegistry<Params>::Entry const& find_kernel(char const* dir
 std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                            double softmax_scale, bool causal, std::optional<at::Tensor> const& q_descale,
                                            std::optional<at::Tensor> const& k_descale,
-                                           std::optional<at::Tensor> const& v_descale) {
+                                           std::optional<at::Tensor> const& v_descale, int64_t window_left,
+                                           int64_t window_right, double softcap) {
   char const* op = "flash_ext.forward";
   auto const s = flash_api::check_qkv(q, k, v, softmax_scale, op, /*allow_fp8=*/true);
+  auto const options = flash_api::check_score_options(causal, window_left, window_right, softcap, s);
   std::vector<std::pair<at::Tensor const*, char const*>> on_gpu{{&q, "q"}, {&k, "k"}, {&v, "v"}};
   for (auto const& [t, name] : {std::pair{&q_descale, "q_descale"}, {&k_descale, "k_descale"}, {&v_descale, "v_descale"}}) {
     if (t->has_value()) {
@@ -84,7 +91,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
     }
   }
   flash_api::check_on_gpu(on_gpu, op);
-  auto const& kernel = find_kernel<flash::FwdParams>("forward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kFwd), q.scalar_type(), causal);
+  auto const& kernel = find_kernel<flash::FwdParams>("forward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kFwd),
+                                                     q.scalar_type(), causal, options.banded);
 
   c10::cuda::CUDAGuard device_guard(q.device());
   bool const fp8 = q.scalar_type() == at::kFloat8_e4m3fn;
@@ -100,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
   params.q_descale = descale_tensor(q_descale);
   params.k_descale = descale_tensor(k_descale);
   params.v_descale = descale_tensor(v_descale);
-  set_sizes(params, s, softmax_scale);
+  set_sizes(params, s, softmax_scale, options);
   params.pingpong = env_override("FLASH_EXT_PINGPONG");
   params.persistent = env_override("FLASH_EXT_PERSISTENT");
   size_t const workspace_bytes = kernel.workspace_bytes != nullptr ? kernel.workspace_bytes(params) : 0;
@@ -117,9 +125,11 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
 // The backward into given dq, dk, dv (checked here), any strides the layout rules allow.
 void mha_bwd_out(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                  at::Tensor const& out, at::Tensor const& lse, std::optional<at::Tensor> const& dlse, double softmax_scale,
-                 bool causal, bool deterministic, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+                 bool causal, bool deterministic, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, int64_t window_left,
+                 int64_t window_right, double softcap) {
   char const* op = "flash_ext.backward";
   auto const s = flash_api::check_qkv(q, k, v, softmax_scale, op);
+  auto const options = flash_api::check_score_options(causal, window_left, window_right, softcap, s);
   flash_api::check_tensor_like(dout, "dout", q.sizes(), q.scalar_type(), "q");
   flash_api::check_tensor_like(out, "out", q.sizes(), q.scalar_type(), "q");
   flash_api::check_lse(lse, "lse", s);
@@ -135,7 +145,8 @@ void mha_bwd_out(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& 
                              {&dk, "dk"}, {&dv, "dv"}}, op);
   }
   at::Device const device = q.device();
-  auto const& kernel = find_kernel<flash::BwdParams>("backward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kBwd), q.scalar_type(), causal);
+  auto const& kernel = find_kernel<flash::BwdParams>("backward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kBwd),
+                                                     q.scalar_type(), causal, options.banded);
 
   c10::cuda::CUDAGuard device_guard(device);
   at::Tensor const lse_c = lse.contiguous();
@@ -152,7 +163,7 @@ void mha_bwd_out(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& 
   params.dq = strided(dq);
   params.dk = strided(dk);
   params.dv = strided(dv);
-  set_sizes(params, s, softmax_scale);
+  set_sizes(params, s, softmax_scale, options);
   params.deterministic = deterministic;
   params.dq_scratch_bytes = dq.is_contiguous() ? int64_t(dq.nbytes()) : 0;
   at::Tensor const workspace = at::empty({int64_t(kernel.workspace_bytes(params))}, q.options().dtype(at::kByte));
@@ -163,12 +174,14 @@ void mha_bwd_out(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
                                                        at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse,
                                                        std::optional<at::Tensor> const& dlse, double softmax_scale,
-                                                       bool causal, bool deterministic) {
+                                                       bool causal, bool deterministic, int64_t window_left,
+                                                       int64_t window_right, double softcap) {
   // Allocated like q, k, v when those are valid; mha_bwd_out checks everything before any launch.
   at::Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
   at::Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
   at::Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
-  mha_bwd_out(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, dq, dk, dv);
+  mha_bwd_out(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, dq, dk, dv, window_left, window_right,
+              softcap);
   return {dq, dk, dv};
 }
 
@@ -213,13 +226,16 @@ std::string build_info() {
 FLASH_EXT_LIBRARY(FLASH_EXT_OPS_NAMESPACE, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, Tensor? q_descale=None, "
-      "Tensor? k_descale=None, Tensor? v_descale=None) -> (Tensor out, Tensor lse)");
+      "Tensor? k_descale=None, Tensor? v_descale=None, int window_left=-1, int window_right=-1, float softcap=0.0) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale, "
-      "bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "bool causal, bool deterministic, int window_left=-1, int window_right=-1, float softcap=0.0) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "bwd_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale, "
-      "bool causal, bool deterministic, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()");
+      "bool causal, bool deterministic, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int window_left=-1, "
+      "int window_right=-1, float softcap=0.0) -> ()");
   m.def("build_info() -> str", &build_info);
 }
 

@@ -2,6 +2,7 @@
 
     out, lse = flash_ext.forward(q, k, v, softmax_scale=None, causal=False)
     dq, dk, dv = flash_ext.backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False)
+    out, lse = flash_ext.forward(q, k, v, causal=True, window_size=(1024, 0), softcap=30.0)  # sliding window, softcap
     out = flash_ext.flash_attn_func(q, k, v, causal=True)   # FlashAttention-3's signature, differentiable
     out = flash_ext.flash_attn_qkvpacked_func(qkv, causal=True)  # q, k, v stacked, as FA3 takes them
     out = flash_ext.sdpa(query, key, value, is_causal=True)   # F.scaled_dot_product_attention's signature

@@ -1,8 +1,10 @@
 """The public forward API: the checks of its Python-typed arguments, defaults, and the call into the op.
 
-The argument rules for tensors (shapes, dtypes, strides, devices) are written once, in the C++ op
-(csrc/arg_checks.cpp), which runs them on every call, also on CPU tensors and for callers of
-torch.ops.flash_ext.* directly. They raise ValueError / TypeError naming the argument.
+The argument rules for tensors (shapes, dtypes, strides, devices) and for the values of the scalar
+arguments (softmax_scale, window_size, softcap) are written once, in the C++ op (csrc/arg_checks.cpp),
+which runs them on every call, also on CPU tensors and for callers of torch.ops.flash_ext.* directly.
+They raise ValueError / TypeError naming the argument. Python checks only the Python types of what it
+converts (softmax_scale, causal, deterministic, window_size, softcap).
 """
 import json
 import math
@@ -77,7 +79,33 @@ def _check_bool(name, value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def forward(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None):
+def _window_size(window_size):
+    """window_size as (left, right) ints; their values (-1 or >= 0, causal's right bound) are the op's to check."""
+    if not isinstance(window_size, (tuple, list)):
+        raise TypeError(f"window_size must be a tuple (left, right) of two ints, got {type(window_size).__name__}")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a tuple (left, right) of two ints, got {len(window_size)} element(s)")
+    for bound in window_size:
+        if isinstance(bound, bool) or not isinstance(bound, int):
+            raise TypeError(f"window_size must be a tuple (left, right) of two ints, got a {type(bound).__name__} "
+                            f"in {tuple(window_size)!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _softcap(softcap):
+    """softcap as a float; its value (finite, >= 0) is the op's to check."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0 = off), got {type(softcap).__name__}")
+    return float(softcap)
+
+
+def _mask_kwargs(window, softcap):
+    """The ops' trailing window_left / window_right / softcap arguments."""
+    return {"window_left": window[0], "window_right": window[1], "softcap": softcap}
+
+
+def forward(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
+            window_size=(-1, -1), softcap=0.0):
     """Exact attention forward on Hopper.
 
     Args:
@@ -90,23 +118,31 @@ def forward(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale
         q_descale, k_descale, v_descale: FP8 only: float32 (batch, nheads_kv) factors that turn the stored
             e4m3 values back into real ones (q_real = q * q_descale[b, head // (nheads // nheads_kv)]);
             None means 1. flash_ext.fp8.quantize_qkv makes all six from 16-bit tensors.
+        window_size: (left, right), two ints, each -1 (unbounded) or >= 0: a sliding window aligned to the
+            same bottom-right diagonal: query i sees key j iff
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (and j < seqlen_k).
+            causal=True is the window's right = 0, so with causal the right bound must be -1 or 0 (else
+            ValueError). (-1, -1) (the default) is no window. Runs on the causal kernel of the head dim and
+            dtype (a window that covers every key, on the non-causal one).
+        softcap: c >= 0 (0, the default, = off): the logits s = softmax_scale * q.k become c * tanh(s / c)
+            before the softmax (Gemma 2's logit soft-capping); with FP8, s includes q_descale * k_descale.
 
     Returns:
         (out, lse): out (batch, seqlen_q, nheads, headdim), contiguous, in q's dtype (bf16 for FP8);
         lse float32 (batch, nheads, seqlen_q), the natural log of the softmax denominators (of the
-        descaled scores). 16-bit: both are differentiable when q, k or v require grad (the backward is
-        flash_ext.backward). FP8 is forward-only.
+        descaled, soft-capped logits), -inf for queries that see no key. 16-bit: both are differentiable
+        when q, k or v require grad (the backward is flash_ext.backward). FP8 is forward-only.
     """
     if any(t is not None for t in (q_descale, k_descale, v_descale)) or _is_fp8(q):
-        return _forward_fp8(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale)
-    return attention(q, k, v, softmax_scale, causal, deterministic=False)
+        return _forward_fp8(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, window_size, softcap)
+    return attention(q, k, v, softmax_scale, causal, deterministic=False, window_size=window_size, softcap=softcap)
 
 
 def _is_fp8(t):
     return isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn
 
 
-def _forward_fp8(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale):
+def _forward_fp8(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, window_size=(-1, -1), softcap=0.0):
     """The FP8 path of forward (also reached by 16-bit inputs with descales, for the op's error)."""
     _check_tensors(q=q, k=k, v=v)
     for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
@@ -114,33 +150,39 @@ def _forward_fp8(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale
             _check_tensors(**{name: t})
     scale = _softmax_scale(softmax_scale, q.shape[-1] if q.dim() > 0 else 1)
     _check_bool("causal", causal)
+    window, softcap = _window_size(window_size), _softcap(softcap)
     _require_extension()
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError("the FP8 forward is not differentiable: flash_ext has no FP8 backward; "
                                   "detach q, k, v or use 16-bit inputs for training")
-    return torch.ops.flash_ext.fwd(q, k, v, scale, causal, q_descale, k_descale, v_descale)
+    return torch.ops.flash_ext.fwd(q, k, v, scale, causal, q_descale, k_descale, v_descale,
+                                   **_mask_kwargs(window, softcap))
 
 
-def attention(q, k, v, softmax_scale=None, causal=False, deterministic=False):
-    """forward() with the backward's deterministic switch: (out, lse), differentiable."""
+def attention(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_size=(-1, -1), softcap=0.0):
+    """forward() (16-bit) with the backward's deterministic switch: (out, lse), differentiable; window_size
+    and softcap as in forward(), and the backward uses the same ones."""
     _check_tensors(q=q, k=k, v=v)
     scale = _softmax_scale(softmax_scale, q.shape[-1] if q.dim() > 0 else 1)
     _check_bool("causal", causal)
     _check_bool("deterministic", deterministic)
+    window, softcap = _window_size(window_size), _softcap(softcap)
     _require_extension()
+    mask = _mask_kwargs(window, softcap)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return torch.ops.flash_ext.attention(q, k, v, scale, causal, deterministic)
-    return torch.ops.flash_ext.fwd(q, k, v, scale, causal)
+        return torch.ops.flash_ext.attention(q, k, v, scale, causal, deterministic, window[0], window[1], softcap)
+    return torch.ops.flash_ext.fwd(q, k, v, scale, causal, **mask)
 
 
 def backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False, dq=None, dk=None, dv=None,
-             dlse=None):
+             dlse=None, window_size=(-1, -1), softcap=0.0):
     """Gradients of exact attention: (dq, dk, dv).
 
     Args:
         dout: the gradient of out, q's shape and dtype.
         q, k, v, out, lse: the forward's inputs and outputs (same layout rules as forward).
-        softmax_scale, causal: as given to the forward.
+        softmax_scale, causal, window_size, softcap: as given to the forward (see forward(); the gradient
+            of a soft-capped logit goes through its tanh, and masked keys get zero dk, dv from that query).
         deterministic: add the contributions to dq in a fixed order, so that gradients are bitwise equal
             from run to run (a little slower).
         dq, dk, dv: optional preallocated outputs (shapes and dtypes of q, k, v; any TMA-compatible strides).
@@ -157,13 +199,15 @@ def backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, determin
     scale = _softmax_scale(softmax_scale, q.shape[-1] if q.dim() > 0 else 1)
     _check_bool("causal", causal)
     _check_bool("deterministic", deterministic)
+    window, softcap = _window_size(window_size), _softcap(softcap)
     _require_extension()
+    mask = _mask_kwargs(window, softcap)
     if dq is None and dk is None and dv is None:
-        return torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic)
+        return torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, **mask)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
-    torch.ops.flash_ext.bwd_out(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv)
+    torch.ops.flash_ext.bwd_out(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, **mask)
     return dq, dk, dv
 
 

@@ -2,7 +2,8 @@
 
 - fake (meta) implementations of flash_ext::fwd (16-bit and FP8), ::bwd and ::bwd_out (shapes only);
 - flash_ext::attention, the differentiable forward: a custom op whose implementation is ::fwd and whose
-  autograd formula calls ::bwd, with the gradient of lse (dlse) passed through exactly.
+  autograd formula calls ::bwd with the same softmax scale, mask (causal, window) and softcap, with the
+  gradient of lse (dlse) passed through exactly.
 """
 import torch
 
@@ -20,42 +21,53 @@ def _kernel_readable(t):
     return t
 
 
+def _mask_kwargs(window_left, window_right, softcap):
+    """The C++ ops' trailing arguments."""
+    return {"window_left": window_left, "window_right": window_right, "softcap": softcap}
+
+
 def register():
     @torch.library.register_fake("flash_ext::fwd")
-    def _fwd_fake(q, k, v, softmax_scale, causal, q_descale=None, k_descale=None, v_descale=None):
+    def _fwd_fake(q, k, v, softmax_scale, causal, q_descale=None, k_descale=None, v_descale=None, window_left=-1,
+                  window_right=-1, softcap=0.0):
         b, sq, h, _ = q.shape
         out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype  # FP8 in, bf16 out
         out = torch.empty_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)
         return out, q.new_empty((b, h, sq), dtype=torch.float32)
 
     @torch.library.register_fake("flash_ext::bwd")
-    def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic):
+    def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, window_left=-1,
+                  window_right=-1, softcap=0.0):
         return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
     @torch.library.register_fake("flash_ext::bwd_out")
-    def _bwd_out_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, dq, dk, dv):
+    def _bwd_out_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, dq, dk, dv, window_left=-1,
+                      window_right=-1, softcap=0.0):
         return None
 
     @torch.library.custom_op("flash_ext::attention", mutates_args=())
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.ops.flash_ext.fwd(q, k, v, softmax_scale, causal)
+                  deterministic: bool, window_left: int = -1, window_right: int = -1,
+                  softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.flash_ext.fwd(q, k, v, softmax_scale, causal,
+                                       **_mask_kwargs(window_left, window_right, softcap))
 
     @attention.register_fake
-    def _attention_fake(q, k, v, softmax_scale, causal, deterministic):
+    def _attention_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1, softcap=0.0):
         return _fwd_fake(q, k, v, softmax_scale, causal)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, softmax_scale, causal, deterministic = inputs
+        q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+        ctx.mask = _mask_kwargs(window_left, window_right, softcap)
 
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else _kernel_readable(dout)
         dq, dk, dv = torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal,
-                                             ctx.deterministic)
-        return dq, dk, dv, None, None, None
+                                             ctx.deterministic, **ctx.mask)
+        return dq, dk, dv, None, None, None, None, None, None
 
     attention.register_autograd(backward, setup_context=setup_context)

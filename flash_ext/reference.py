@@ -1,9 +1,12 @@
 """Pure-PyTorch attention references and a step-for-step emulation of the kernel's online softmax.
 
 Layout everywhere: q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_kv, headdim),
-nheads a multiple of nheads_kv (query head h reads kv head h // (nheads // nheads_kv)). The causal mask is
-aligned to the bottom-right corner: query i sees keys j <= i + seqlen_k - seqlen_q. Queries that see no key
-get out = 0 and lse = -inf.
+nheads a multiple of nheads_kv (query head h reads kv head h // (nheads // nheads_kv)). Masks are aligned
+to the bottom-right corner: with window_size=(left, right) (each -1 = unbounded, or >= 0) query i sees key
+j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; causal=True is the band with
+right = 0 (so with causal the right bound must be -1 or 0). softcap=c > 0 replaces the logits
+s = softmax_scale * q.k by c * tanh(s / c) before the softmax (0 = off); lse is the natural-log
+logsumexp of the logits actually used. Queries that see no key get out = 0 and lse = -inf.
 
 - attention_ref: the float64 ground truth (out, lse).
 - attention_lowp: attention in the inputs' own dtype, the yardstick of FlashAttention's error rule
@@ -17,6 +20,7 @@ get out = 0 and lse = -inf.
   of hopper/softmax.h and the mainloop's call order), for checking its numerics on the CPU.
 """
 import math
+import operator
 
 import torch
 
@@ -57,12 +61,55 @@ def _heads_first(q, k, v, dtype):
     return qf, kf, vf, kv_index
 
 
-def _visible(rows, cols, seqlen_q, seqlen_k, causal):
-    """Boolean (len(rows), len(cols)): which keys each query row may attend to."""
-    visible = (cols < seqlen_k)[None, :].expand(len(rows), len(cols))
+def _band(causal, window_size):
+    """(left, right) of the visible band, each None when unbounded; causal is the band with right = 0.
+
+    What the ops refuse (a bound below -1, causal with right > 0) has no meaning for a reference either:
+    ValueError naming window_size."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be (left, right), got {window_size!r}")
+    left, right = (operator.index(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size bounds must be -1 (unbounded) or >= 0, got {tuple(window_size)}")
     if causal:
-        visible = visible & (cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q))
+        if right > 0:
+            raise ValueError(f"causal=True is the band with right = 0: window_size's right bound must be -1 or 0, "
+                             f"got {right}")
+        right = 0
+    return (None if left < 0 else left), (None if right < 0 else right)
+
+
+def _is_masked(causal, window_size):
+    """Whether any key inside seqlen_k can be masked (causal, or a bounded window)."""
+    return any(bound is not None for bound in _band(causal, window_size))
+
+
+def _visible(rows, cols, seqlen_q, seqlen_k, causal, window_size=(-1, -1)):
+    """Boolean (len(rows), len(cols)): which keys each query row may attend to. The one place of the mask
+    rule: key j < seqlen_k, and i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right
+    for the bounds that exist (causal: right = 0)."""
+    left, right = _band(causal, window_size)
+    visible = (cols < seqlen_k)[None, :].expand(len(rows), len(cols))
+    diag = rows[:, None] + (seqlen_k - seqlen_q)  # the key aligned with each query row
+    if right is not None:
+        visible = visible & (cols[None, :] <= diag + right)
+    if left is not None:
+        visible = visible & (cols[None, :] >= diag - left)
     return visible
+
+
+def _check_softcap(softcap):
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
+    return softcap
+
+
+def _apply_softcap(scores, softcap):
+    """c * tanh(scores / c), in the scores' dtype (each op rounded there); unchanged for c = 0."""
+    if softcap == 0:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
 
 
 def _chunks(num_heads, seqlen_q, seqlen_k, elem_bytes):
@@ -87,22 +134,27 @@ def _to_bshd(x_flat, batch, nheads):
 # References
 # ----------------------------------------------------------------------------------------------------------
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False):
-    """Exact attention in float64. Returns out (b, sq, h, d) and lse (b, h, sq), both float64."""
+def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+    """Exact attention in float64. Returns out (b, sq, h, d) and lse (b, h, sq), both float64.
+
+    window_size=(left, right) and causal select the visible keys (see the module docstring); softcap > 0
+    caps the logits (c * tanh(s / c), in float64), and lse is the logsumexp of the capped logits."""
     _check_shapes(q, k, v)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k = k.shape[1]
     scale = _default_scale(softmax_scale, headdim)
+    masked = _is_masked(causal, window_size)
+    softcap = _check_softcap(softcap)
     qf, kf, vf, kv_index = _heads_first(q, k, v, torch.float64)
     out = torch.zeros_like(qf)
     lse = torch.full((batch * nheads, seqlen_q), -math.inf, dtype=torch.float64, device=q.device)
     cols = torch.arange(seqlen_k, device=q.device)
     for heads, rows in _chunks(batch * nheads, seqlen_q, seqlen_k, elem_bytes=8):
         kv = kv_index[heads]
-        scores = torch.matmul(qf[heads, rows], kf[kv].transpose(-1, -2)) * scale
-        if causal:
+        scores = _apply_softcap(torch.matmul(qf[heads, rows], kf[kv].transpose(-1, -2)) * scale, softcap)
+        if masked:
             row_ids = torch.arange(rows.start, rows.stop, device=q.device)
-            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal), -math.inf)
+            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal, window_size), -math.inf)
         row_lse = torch.logsumexp(scores, dim=-1)  # -inf for rows that see no key
         # Subtract 0 instead of -inf on such rows: exp(-inf - 0) = 0 gives out = 0 rather than NaN.
         # In place, so that a chunk holds a single score-sized tensor.
@@ -112,41 +164,48 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False):
     return _to_bshd(out, batch, nheads), lse.reshape(batch, nheads, seqlen_q)
 
 
-def attention_lowp(q, k, v, softmax_scale=None, causal=False):
+def attention_lowp(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
     """Attention as PyTorch computes it in the inputs' dtype (e.g. fp16/bf16): the baseline of the error rule.
 
     As PyTorch's math attention computes it: (q * scale) K^T and P V are matmuls in the input dtype, the
-    softmax runs in float32 and P is cast back to that dtype. Queries that see no key give 0 (SDPA would give NaN).
-    Returns out only, (batch, seqlen_q, nheads, headdim) in q's dtype.
+    softmax runs in float32 and P is cast back to that dtype. softcap > 0 caps the scores in the input dtype
+    (c * tanh(s / c), each op rounded to it, as PyTorch code of a softcapped model computes it) before the
+    float32 softmax. window_size / causal as in attention_ref. Queries that see no key give 0 (SDPA would
+    give NaN). Returns out only, (batch, seqlen_q, nheads, headdim) in q's dtype.
     """
     _check_shapes(q, k, v)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k = k.shape[1]
     scale = _default_scale(softmax_scale, headdim)
+    masked = _is_masked(causal, window_size)
+    softcap = _check_softcap(softcap)
     qf, kf, vf, kv_index = _heads_first(q, k, v, q.dtype)
     out = torch.zeros_like(qf)
     cols = torch.arange(seqlen_k, device=q.device)
     for heads, rows in _chunks(batch * nheads, seqlen_q, seqlen_k, elem_bytes=4):
         kv = kv_index[heads]
-        scores = torch.matmul(qf[heads, rows] * scale, kf[kv].transpose(-1, -2))
-        if causal:
+        scores = _apply_softcap(torch.matmul(qf[heads, rows] * scale, kf[kv].transpose(-1, -2)), softcap)
+        if masked:
             row_ids = torch.arange(rows.start, rows.stop, device=q.device)
-            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal), -math.inf)
+            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal, window_size), -math.inf)
         probs = torch.softmax(scores.float(), dim=-1).nan_to_num_(nan=0.0).to(q.dtype)  # all -inf row: NaN -> 0
         out[heads, rows] = torch.matmul(probs, vf[kv])
     return _to_bshd(out, batch, nheads)
 
 
 def attention_fp8_emulation(q8, k8, v8, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
-                            causal=False, max_offset=8):
-    """FP8 attention as the kernel rounds it, otherwise exact (float64): S from the descaled e4m3 inputs,
-    P = exp(S - rowmax) * 2^max_offset rounded to e4m3 for the PV product while the row sums use the
-    unrounded P, O = (P8 V8) / sum * v_descale. Descales are float32 (batch, nheads_kv) or None (= 1).
-    Returns out (batch, seqlen_q, nheads, headdim) in float64."""
+                            causal=False, max_offset=8, window_size=(-1, -1), softcap=0.0):
+    """FP8 attention as the kernel rounds it, otherwise exact (float64): S from the descaled e4m3 inputs
+    (softmax_scale * q_descale * k_descale * q8.k8, then c * tanh(S / c) when softcap = c > 0), P =
+    exp(S - rowmax) * 2^max_offset rounded to e4m3 for the PV product while the row sums use the unrounded
+    P, O = (P8 V8) / sum * v_descale. Descales are float32 (batch, nheads_kv) or None (= 1); window_size /
+    causal as in attention_ref. Returns out (batch, seqlen_q, nheads, headdim) in float64."""
     _check_shapes(q8, k8, v8)
     batch, seqlen_q, nheads, headdim = q8.shape
     seqlen_k, nheads_kv = k8.shape[1], k8.shape[2]
     scale = _default_scale(softmax_scale, headdim)
+    masked = _is_masked(causal, window_size)
+    softcap = _check_softcap(softcap)
     ones = torch.ones(batch, nheads_kv, dtype=torch.float64, device=q8.device)
     qd, kd, vd = (ones if d is None else d.double() for d in (q_descale, k_descale, v_descale))
     qf, kf, vf, kv_index = _heads_first(q8, k8, v8, torch.float64)
@@ -158,9 +217,10 @@ def attention_fp8_emulation(q8, k8, v8, q_descale=None, k_descale=None, v_descal
     for heads, rows in _chunks(batch * nheads, seqlen_q, seqlen_k, elem_bytes=8):
         kv = kv_index[heads]
         scores = torch.matmul(qf[heads, rows], kf[kv].transpose(-1, -2)) * qk_scale[heads, None, None]
-        if causal:
+        scores = _apply_softcap(scores, softcap)
+        if masked:
             row_ids = torch.arange(rows.start, rows.stop, device=q8.device)
-            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal), -math.inf)
+            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal, window_size), -math.inf)
         row_max = scores.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isinf(row_max), 0.0, row_max)  # rows that see no key: P = 0
         p = scores.sub_(row_max).exp_().mul_(2.0 ** max_offset)
@@ -171,19 +231,22 @@ def attention_fp8_emulation(q8, k8, v8, q_descale=None, k_descale=None, v_descal
     return _to_bshd(out, batch, nheads)
 
 
-def attention_autograd(q, k, v, softmax_scale=None, causal=False, upcast=True):
+def attention_autograd(q, k, v, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0):
     """Differentiable attention for gradient references: (out, lse), with lse (b, h, sq) float.
 
     upcast=True computes in float64 (the ground truth of the backward: float64 autograd); upcast=False as
     PyTorch's math attention runs in the inputs' dtype ((q * scale) K^T and P V in that dtype, softmax in
-    float32), the baseline of the error rule. GQA by repeating K/V per query head, so autograd sums dk/dv
-    over each group. Rows that see no key give out 0 and lse -inf, with zero (never NaN) gradients. Builds
-    the whole (b, h, sq, sk) score tensor: meant for test-sized problems.
+    float32), the baseline of the error rule. softcap > 0 caps the scores (c * tanh(s / c)) in the compute
+    dtype, before the softmax (so its gradient flows through the tanh); window_size / causal as in
+    attention_ref. GQA by repeating K/V per query head, so autograd sums dk/dv over each group. Rows that
+    see no key give out 0 and lse -inf, with zero (never NaN) gradients. Builds the whole (b, h, sq, sk)
+    score tensor: meant for test-sized problems.
     """
     _check_shapes(q, k, v)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k = k.shape[1]
     scale = _default_scale(softmax_scale, headdim)
+    softcap = _check_softcap(softcap)
     group = nheads // k.shape[2]
     compute = torch.float64 if upcast else q.dtype
     soft = torch.float64 if upcast else torch.float32
@@ -191,9 +254,10 @@ def attention_autograd(q, k, v, softmax_scale=None, causal=False, upcast=True):
     kh = k.to(compute).repeat_interleave(group, dim=2).transpose(1, 2)
     vh = v.to(compute).repeat_interleave(group, dim=2).transpose(1, 2)
     scores = (torch.matmul(qh, kh.transpose(-1, -2)) * scale if upcast
-              else torch.matmul(qh * scale, kh.transpose(-1, -2))).to(soft)
+              else torch.matmul(qh * scale, kh.transpose(-1, -2)))
+    scores = _apply_softcap(scores, softcap).to(soft)
     rows = torch.arange(seqlen_q, device=q.device)
-    visible = _visible(rows, torch.arange(seqlen_k, device=q.device), seqlen_q, seqlen_k, causal)
+    visible = _visible(rows, torch.arange(seqlen_k, device=q.device), seqlen_q, seqlen_k, causal, window_size)
     # A finite fill keeps the softmax of a fully masked row NaN-free; its row is zeroed below.
     scores = scores.masked_fill(~visible, -1e30)
     any_visible = visible.any(dim=-1)  # (sq,)

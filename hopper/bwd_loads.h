@@ -16,6 +16,7 @@
 #include "flash.h"
 #include "layouts.h"
 #include "mask.h"
+#include "softcap.h"
 
 namespace flash {
 
@@ -32,15 +33,16 @@ struct BwdWork {
   __device__ __forceinline__ int m_block(int i) const { return m_block_min + i % num_m_blocks; }
 
   // Calls step(i, masked) for every query block in order; masked is cute::true_type for the blocks whose
-  // scores need the mask (the causal diagonal or the end of the keys crosses them), so the consumers
+  // scores need the mask (an edge of the band or the end of the keys crosses them), so the consumers
   // compile one masked and one unmasked path.
-  template <int kBlockM, int kBlockN, bool kIsCausal, class Step>
-  __device__ __forceinline__ void for_each_block(int seqlen_q, int seqlen_k, Step&& step) const {
-    using Blocks = BlockRange<kBlockM, kBlockN, kIsCausal>;
-    bool const partial_n_block = (n_block + 1) * kBlockN > seqlen_k;
-    int const m_block_causal_end = kIsCausal ? Blocks::m_block_causal_end(n_block, seqlen_q, seqlen_k) : 0;
+  template <int kBlockM, int kBlockN, bool kBanded, class Step>
+  __device__ __forceinline__ void for_each_block(Band const& band, Step&& step) const {
+    BlockRange<kBlockM, kBlockN, kBanded> const blocks{band};
+    bool const partial_n_block = (n_block + 1) * kBlockN > band.seqlen_k;
+    int const m_block_right_unmasked = kBanded ? blocks.m_block_right_unmasked(n_block) : 0;
+    int const m_block_left_masked = kBanded ? blocks.m_block_left_masked(n_block) : 0;
     for (int i = 0; i < count(); ++i) {
-      if (partial_n_block || (kIsCausal && m_block(i) < m_block_causal_end)) {
+      if (partial_n_block || (kBanded && (m_block(i) < m_block_right_unmasked || m_block(i) >= m_block_left_masked))) {
         step(i, cute::true_type{});
       } else {
         step(i, cute::false_type{});
@@ -94,8 +96,9 @@ struct BwdLoads {
     TmaKV tma_k, tma_v;
     float const* lse_log2;  // (batch, nheads, seqlen_q_rounded): the preprocess kernel's
     float const* dpsum;     // likewise
-    int seqlen_q, seqlen_k, seqlen_q_rounded, nheads;
-    float softmax_scale_log2;
+    Band band;  // the keys each query sees (mask.h): the causal kernels read the window from it
+    int seqlen_q_rounded, nheads;
+    ScoreScales scales;  // softmax scale and softcap (softcap.h)
   };
 
   static Params to_params(BwdParams const& p, float const* lse_log2, float const* dpsum, int seqlen_q_rounded) {
@@ -109,11 +112,10 @@ struct BwdLoads {
             make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.v, shape_k), SmemLayoutK{}, TileK{}, _1{}),
             lse_log2,
             dpsum,
-            p.seqlen_q,
-            p.seqlen_k,
+            Band::make(p.seqlen_q, p.seqlen_k, p.options.window_left, p.options.window_right),
             seqlen_q_rounded,
             p.nheads,
-            float(p.softmax_scale * M_LOG2E)};
+            ScoreScales::make(p.softmax_scale, p.options.softcap)};
   }
 
   __device__ static void prefetch_descriptors(Params const& params) {

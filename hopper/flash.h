@@ -25,6 +25,16 @@ constexpr int kFp8MaxOffset = FLASH_EXT_FP8_MAX_OFFSET;
 #define FLASH_HOST_DEVICE
 #endif
 
+// What a call adds to plain attention, set by the host (csrc/flash_api.cpp) for both directions:
+//  - a sliding window (mask.h): window_left / window_right keys left / right of the bottom-right-aligned
+//    diagonal, -1 = unbounded; read by the causal kernels only (causal is the window (-1, 0), and the host
+//    sends every other window there too);
+//  - softcap > 0: the scores become softcap * tanh(score * softmax_scale / softcap) (softcap.h); 0 = off.
+struct ScoreOptions {
+  int window_left = -1, window_right = -1;
+  float softcap = 0.f;
+};
+
 // FP8 descale factors: float32 (batch, nheads_kv), strides in elements; no tensor means 1.
 struct DescaleTensor {
   float const* ptr = nullptr;
@@ -43,6 +53,7 @@ struct FwdParams {
   int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
   int headdim;  // the real head dim; the kernel's may be larger (zero-filled by TMA, clipped on store)
   float softmax_scale;
+  ScoreOptions options;
   // Consumer warpgroup ping-pong: -1 = the configuration's default, 0 = off, 1 = on (for A/B measurements).
   int pingpong = -1;
   // Persistent launch (one CTA per SM walking tiles): -1 = by the kernel's heuristic, 0 = off, 1 = on.
@@ -67,6 +78,7 @@ struct BwdParams {
   int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
   int headdim;
   float softmax_scale;
+  ScoreOptions options;
   bool deterministic;  // dQ contributions added in a fixed order: bitwise-reproducible gradients
 };
 

@@ -64,13 +64,13 @@ struct BwdKernel {
     typename Loads::Params loads;
     typename Epilogue::Params epilogue;
     typename DqAccum::Params dq;
-    int seqlen_q, seqlen_k, nheads_kv, batch, qheads_per_kvhead, num_m_blocks;
+    int seqlen_k, nheads_kv, batch, qheads_per_kvhead, num_m_blocks;
     float softmax_scale;  // dK's factor
   };
 
   static Params to_params(BwdParams const& p, typename Loads::Params const& loads, typename DqAccum::Params const& dq,
                           int num_m_blocks) {
-    return {loads, Epilogue::to_params(p), dq, p.seqlen_q, p.seqlen_k, p.nheads_kv, p.batch, p.nheads / p.nheads_kv,
+    return {loads, Epilogue::to_params(p), dq, p.seqlen_k, p.nheads_kv, p.batch, p.nheads / p.nheads_kv,
             num_m_blocks, p.softmax_scale};
   }
 
@@ -81,7 +81,7 @@ struct BwdKernel {
   __device__ static void run(Params const& params, char* smem) {
     using PipelineQ = typename Loads::PipelineQ;
     using PipelinedO = typename Loads::PipelinedO;
-    using Blocks = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{params.loads.band};
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
 
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
@@ -104,22 +104,22 @@ struct BwdKernel {
 
     bool const reverse = reverse_blocks(params.dq.deterministic);
     TileCoord const tile = Scheduler(params.seqlen_k, params.nheads_kv, params.batch, reverse).coord(int(blockIdx.x));
-    int const m_block_min = Blocks::m_block_min(tile.block, params.seqlen_q, params.seqlen_k);
+    int const m_block_min = blocks.m_block_min(tile.block);
     BwdWork const work{tile.block,
                        tile.head,
                        tile.batch,
                        params.qheads_per_kvhead,
                        m_block_min,
-                       max(0, Blocks::m_block_max(params.seqlen_q) - m_block_min)};
+                       max(0, blocks.m_block_max(tile.block) - m_block_min)};
     // The accumulator block of the i-th query block, and this CTA's place among the K/V blocks that add to
-    // it (0 .. n_block_max - 1 in start order) for deterministic mode.
+    // it ([n_block_min, n_block_max) of that query block, in start order) for deterministic mode.
     auto dq_block_index = [&](int i) {
       return (int64_t(work.batch) * params.qheads_per_kvhead * params.nheads_kv + work.head(i)) * params.num_m_blocks +
              work.m_block(i);
     };
     auto dq_rank = [&](int i) {
-      return reverse ? Blocks::n_block_max(work.m_block(i), params.seqlen_q, params.seqlen_k) - 1 - work.n_block
-                     : work.n_block;
+      return reverse ? blocks.n_block_max(work.m_block(i)) - 1 - work.n_block
+                     : work.n_block - blocks.n_block_min(work.m_block(i));
     };
 
     if (warp_group_idx == 0) {

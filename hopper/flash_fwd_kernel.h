@@ -3,6 +3,9 @@
 // launch forms: one CTA per tile (straight-line code), or persistent CTAs that walk tiles.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -55,7 +58,13 @@ struct FwdLaunchPolicy {
     bool persistent, dynamic;
   };
   static LaunchMode launch_mode(FwdParams const& p) {
-    bool persistent = kPersistentCapable && ceil_div(p.seqlen_k, Config::kBlockN) <= kPersistentMaxBlocks;
+    // The keys a tile spans: all of them, or a window's width.
+    int key_span = p.seqlen_k;
+    if constexpr (Config::kIsCausal) {
+      Band const band = Band::make(p.seqlen_q, p.seqlen_k, p.options.window_left, p.options.window_right);
+      key_span = std::min<int64_t>(p.seqlen_k, int64_t(band.left) + band.right + Config::kBlockM);
+    }
+    bool persistent = kPersistentCapable && ceil_div(key_span, Config::kBlockN) <= kPersistentMaxBlocks;
     if (p.persistent >= 0) { persistent = kPersistentCapable && p.persistent != 0; }
     return {persistent, persistent && Config::kIsCausal};
   }
@@ -95,14 +104,18 @@ struct FwdKernel {
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   static constexpr int kMinBlocksPerSm = 1;
 
-  // Register split (setmaxnreg). The tile loop's state does not fit a producer of 24 registers (ptxas
-  // spilled it): persistent kernels take 8 from each consumer warpgroup. setmaxnreg moves registers between
-  // warpgroups inside what the CTA got at launch (the per-thread count ptxas can give kNumThreads threads, a
-  // multiple of 8): asking for more makes the consumers' increase wait forever.
-  static constexpr int kProducerRegs = kPersistent ? cute::max(Config::kProducerRegs, 32) : Config::kProducerRegs;
-  static constexpr int kConsumerRegs = Config::kConsumerRegs - (kProducerRegs > Config::kProducerRegs ? 8 : 0);
-  static_assert(kProducerRegs * cutlass::NumThreadsPerWarpGroup + kConsumerRegs * kNumMmaThreads <=
-                    (65536 / kNumThreads) / 8 * 8 * kNumThreads,
+  // Register split (setmaxnreg). setmaxnreg moves registers between warpgroups inside what the CTA got at
+  // launch (the per-thread count ptxas can give kNumThreads threads, a multiple of 8): asking for more makes
+  // the consumers' increase wait forever. The tile loop's state does not fit a producer of 24 registers
+  // (ptxas spilled it): persistent kernels take 8 from each consumer warpgroup, and their producer gets all
+  // that the consumers leave (with a window's first block in the loop, 32 spilled at d64 causal).
+  static constexpr int kCtaRegs = (65536 / kNumThreads) / 8 * 8 * kNumThreads;
+  static constexpr int kConsumerRegs = Config::kConsumerRegs - (kPersistent && Config::kProducerRegs < 32 ? 8 : 0);
+  static constexpr int kProducerRegs =
+      kPersistent ? cute::min(56, (kCtaRegs - kConsumerRegs * kNumMmaThreads) / cutlass::NumThreadsPerWarpGroup / 8 * 8)
+                  : Config::kProducerRegs;
+  static_assert(!kPersistent || kProducerRegs >= 32, "the tile loop needs 32 registers in the producer");
+  static_assert(kProducerRegs * cutlass::NumThreadsPerWarpGroup + kConsumerRegs * kNumMmaThreads <= kCtaRegs,
                 "the setmaxnreg split exceeds the CTA's registers");
 
   // Where O is staged (Policy): persistent, its own buffer or V's last stage; one tile per CTA, a buffer
@@ -149,7 +162,6 @@ struct FwdKernel {
 
   __device__ static void run(Params const& params, char* smem) {
     using PipelineKV = typename Mainloop::PipelineKV;
-    using Blocks = BlockRange<kBlockM, kBlockN, kIsCausal>;
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
 
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
@@ -166,8 +178,13 @@ struct FwdKernel {
     __syncthreads();
 
     Scheduler const& scheduler = params.scheduler;
-    auto n_block_max = [&](TileCoord const& tile) {
-      return Blocks::n_block_max(tile.block, params.mainloop.seqlen_q, params.mainloop.seqlen_k);
+    // The K/V blocks [min, max) a tile needs.
+    struct KeyBlocks {
+      int min, max;
+    };
+    auto key_blocks = [&](TileCoord const& tile) {
+      BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{params.mainloop.band};
+      return KeyBlocks{blocks.n_block_min(tile.block), blocks.n_block_max(tile.block)};
     };
 
     if (warp_group_idx == 0) {
@@ -180,21 +197,24 @@ struct FwdKernel {
           for (int t = scheduler.first(); scheduler.valid(t); ++iteration) {
             int const t_next = scheduler.next(t);  // a dynamic draw's latency hides behind this tile's loads
             TileCoord const tile = scheduler.coord(t);
+            KeyBlocks const blocks = key_blocks(tile);
             Mainloop::template load</*kLoopsOverTiles=*/true>(
-                params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, n_block_max(tile),
-                iteration, [&storage, slot = iteration & 1, tile] { storage.tile_slots[slot] = tile; });
+                params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, blocks.min,
+                blocks.max, iteration, [&storage, slot = iteration & 1, tile] { storage.tile_slots[slot] = tile; });
             t = t_next;
           }
           Mainloop::load_end(storage.barriers, iteration,
                              [&storage, slot = iteration & 1] { storage.tile_slots[slot] = TileCoord{-1, 0, 0}; });
         } else {
           TileCoord const tile = scheduler.coord(scheduler.first());
+          KeyBlocks const blocks = key_blocks(tile);
           Mainloop::template load</*kLoopsOverTiles=*/false>(params.mainloop, storage.tensors.mainloop, storage.barriers,
-                                                             pipelines, write_state, tile, n_block_max(tile), 0, [] {});
+                                                             pipelines, write_state, tile, blocks.min, blocks.max, 0, [] {});
         }
       } else if (Mainloop::kTransposeV && warp_idx > 0) {
         static_assert(!(kPersistent && Mainloop::kTransposeV), "the transposing warps compute one tile");
-        Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, n_block_max(scheduler.coord(scheduler.first())),
+        KeyBlocks const blocks = key_blocks(scheduler.coord(scheduler.first()));
+        Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, max(0, blocks.max - blocks.min),
                                  int(threadIdx.x) - cutlass::NumThreadsPerWarp);
       }
     } else {
@@ -222,14 +242,14 @@ struct FwdKernel {
         // The thread index read again per tile: ptxas otherwise hoists per-thread offsets out of the tile
         // loop and spills them (d128 non-causal, 8 bytes).
         int const tidx = kPersistent ? opaque_thread_idx() : thread_idx;
-        int const n_blocks = n_block_max(tile);
+        KeyBlocks const blocks = key_blocks(tile);
         typename Mainloop::TiledMmaPV tiled_mma_pv;
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 2>(typename Mainloop::TileShapeMNK{}));
         auto const scales = Mainloop::tile_scales(params.mainloop, tile);
         Softmax<2 * decltype(size<1>(tOrO))::value, Config::kMaxOffset> softmax(scales.softmax_scale_log2);
-        if (n_blocks > 0) {
+        if (blocks.max > blocks.min) {
           Mainloop::template mma<kOInVStage>(params.mainloop, storage.tensors.mainloop, pipelines, read_k, read_v, tile,
-                                              n_blocks, tidx, tOrO, softmax);
+                                              blocks.min, blocks.max, tidx, tOrO, softmax, scales.softcap_pre_scale);
         } else {
           static_assert(!kOInVStage || !kIsCausal, "kOInVStage needs a GEMM1 in every tile: non-causal tiles see a key");
           clear(tOrO);  // no key visible to any row: O = 0, and finalize gives LSE = -inf

@@ -23,6 +23,7 @@
 #include "flash.h"
 #include "layouts.h"
 #include "mask.h"
+#include "softcap.h"
 #include "named_barriers.h"
 #include "bwd_loads.h"
 #include "utils.h"
@@ -163,7 +164,8 @@ struct BwdMainloop {
     constexpr int kCols = decltype(size<1>(coords_rc))::value;
     auto query_of_col = [&](int ni) { return int(get<1>(coords_rc(0, ni))); };
 
-    Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP, /*kKeysInRows=*/true> mask(thread_idx, params.seqlen_q, params.seqlen_k);
+    Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP, /*kKeysInRows=*/true> mask(thread_idx, params.band);
+    float const softcap_pre_scale = params.scales.softcap_pre_scale;  // > 0: softcap on (a uniform branch)
 
     // Q and dO advance together here (one state: a second one cost ptxas an 8-byte spill at d128).
     static_assert(kStagesQ == kStagesdO);
@@ -179,27 +181,42 @@ struct BwdMainloop {
       warpgroup_gemm<-1>(tiled_mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP, /*zero_init=*/true);
       warpgroup_wait<1>();  // S^T is ready; dP^T still runs
       warpgroup_fence_operand(tSrS);
-      if constexpr (kMasked && kIsCausal) { mask.template apply</*kSeqlenKMask=*/true, true>(tSrS, m_block, work.n_block); }
       Tensor scores = make_rowcol_view(tSrS);  // (keys, queries)
+      Tensor dP = make_rowcol_view(tdPrdP);
+      float const scale_log2 = params.scales.softmax_scale_log2;
+      bool const softcap = softcap_pre_scale > 0.f;
+      if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }  // t = tanh(S^T * pre_scale) replaces S^T
+      if constexpr (kMasked && kIsCausal) { mask.template apply</*kSeqlenKMask=*/true, true>(tSrS, m_block, work.n_block); }
       CUTLASS_PRAGMA_UNROLL
       for (int ni = 0; ni < kCols; ++ni) {
         float const lse_log2 = sLSE(query_of_col(ni), stage);
         CUTLASS_PRAGMA_UNROLL
-        for (int mi = 0; mi < size<0>(scores); ++mi) {
-          scores(mi, ni) = exp2f(scores(mi, ni) * params.softmax_scale_log2 - lse_log2);
-        }
+        for (int mi = 0; mi < size<0>(scores); ++mi) { scores(mi, ni) = exp2f(scores(mi, ni) * scale_log2 - lse_log2); }
       }
-      // Without the causal mask, the keys past the end (zero rows of K and V: TMA fills them) are masked in
+      // Without the band mask, the keys past the end (zero rows of K and V: TMA fills them) are masked in
       // P^T instead of S^T: the same result, and masking S^T there made ptxas spill at d64 (kBlockM = 128).
       if constexpr (kMasked && !kIsCausal) { mask.template apply</*kSeqlenKMask=*/true, false>(tSrS, m_block, work.n_block, 0.f); }
       warpgroup_wait<0>();  // dP^T is ready
       warpgroup_fence_operand(tdPrdP);
-      Tensor dP = make_rowcol_view(tdPrdP);
-      CUTLASS_PRAGMA_UNROLL
-      for (int ni = 0; ni < kCols; ++ni) {
-        float const dpsum = sdPsum(query_of_col(ni), stage);
+      if (!softcap) {
         CUTLASS_PRAGMA_UNROLL
-        for (int mi = 0; mi < size<0>(dP); ++mi) { dP(mi, ni) = scores(mi, ni) * (dP(mi, ni) - dpsum); }
+        for (int ni = 0; ni < kCols; ++ni) {
+          float const dpsum = sdPsum(query_of_col(ni), stage);
+          CUTLASS_PRAGMA_UNROLL
+          for (int mi = 0; mi < size<0>(dP); ++mi) { dP(mi, ni) = scores(mi, ni) * (dP(mi, ni) - dpsum); }
+        }
+      } else {
+        // t is recovered from P (softcap.h): keeping it beside P^T and dP^T made ptxas spill at d64.
+        CUTLASS_PRAGMA_UNROLL
+        for (int ni = 0; ni < kCols; ++ni) {
+          float const dpsum = sdPsum(query_of_col(ni), stage);
+          float const lse_log2 = sLSE(query_of_col(ni), stage);
+          CUTLASS_PRAGMA_UNROLL
+          for (int mi = 0; mi < size<0>(dP); ++mi) {
+            float const p = scores(mi, ni);
+            dP(mi, ni) = p * (dP(mi, ni) - dpsum) * softcap_grad_factor_from_p(p, lse_log2, scale_log2);
+          }
+        }
       }
       // P^T is converted only now, after its last fp32 use: S^T, dP^T and the 16-bit copies are never all live.
       convert_into(tSrS, tSrP16);
@@ -226,7 +243,7 @@ struct BwdMainloop {
       ++read_state;
     };
 
-    work.template for_each_block<kBlockM, kBlockN, kIsCausal>(params.seqlen_q, params.seqlen_k, step);
+    work.template for_each_block<kBlockM, kBlockN, kIsCausal>(params.band, step);
     if (work.count() == 0) {  // no query sees these keys: dK = dV = 0
       clear(tdKrdK);
       clear(tdVrdV);

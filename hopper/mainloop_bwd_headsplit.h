@@ -22,6 +22,7 @@
 #include "flash.h"
 #include "layouts.h"
 #include "mask.h"
+#include "softcap.h"
 #include "named_barriers.h"
 #include "bwd_loads.h"
 #include "utils.h"
@@ -178,20 +179,24 @@ struct BwdMainloopHeadSplit {
       warpgroup_gemm<-1>(tiled_mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP, /*zero_init=*/true);
       warpgroup_wait<1>();  // S is ready; dP still runs
       warpgroup_fence_operand(tSrS);
+      // Softcap (a uniform branch): t = tanh(S * pre_scale) replaces S, before the mask.
+      float const softcap_pre_scale = params.scales.softcap_pre_scale;
+      bool const softcap = softcap_pre_scale > 0.f;
+      if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
       if constexpr (kMasked) {
         // Built here, not before the loop: its fields are then not live across the unmasked steps (at 80
         // keys ptxas otherwise spilled a register of the loop).
-        Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP> mask(thread_idx, params.seqlen_q, params.seqlen_k);
+        Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP> mask(thread_idx, params.band);
         mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, work.n_block);
       }
       Tensor scores = make_rowcol_view(tSrS);  // (queries, keys)
+      Tensor dP = make_rowcol_view(tdPrdP);
+      float const scale_log2 = params.scales.softmax_scale_log2;
       CUTLASS_PRAGMA_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         float const lse_log2 = sLSE(query_of_row(mi), stage_q);
         CUTLASS_PRAGMA_UNROLL
-        for (int ni = 0; ni < size<1>(scores); ++ni) {
-          scores(mi, ni) = exp2f(scores(mi, ni) * params.softmax_scale_log2 - lse_log2);
-        }
+        for (int ni = 0; ni < size<1>(scores); ++ni) { scores(mi, ni) = exp2f(scores(mi, ni) * scale_log2 - lse_log2); }
       }
       convert_into(tSrS, tSrP16);
       // This buffer was last read by the GEMMs of query block i - 2, which both warpgroups finished before
@@ -199,12 +204,20 @@ struct BwdMainloopHeadSplit {
       copy(smem_tiled_copy_p, tPrP_copy, tPsP(_, _, _, buffer));
       warpgroup_wait<0>();  // dP is ready
       warpgroup_fence_operand(tdPrdP);
-      Tensor dP = make_rowcol_view(tdPrdP);
       CUTLASS_PRAGMA_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         float const dpsum = sdPsum(query_of_row(mi), stage_do);
-        CUTLASS_PRAGMA_UNROLL
-        for (int ni = 0; ni < size<1>(dP); ++ni) { dP(mi, ni) = scores(mi, ni) * (dP(mi, ni) - dpsum); }
+        if (!softcap) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int ni = 0; ni < size<1>(dP); ++ni) { dP(mi, ni) = scores(mi, ni) * (dP(mi, ni) - dpsum); }
+        } else {
+          float const lse_log2 = sLSE(query_of_row(mi), stage_q);
+          CUTLASS_PRAGMA_UNROLL
+          for (int ni = 0; ni < size<1>(dP); ++ni) {
+            float const p = scores(mi, ni);
+            dP(mi, ni) = p * (dP(mi, ni) - dpsum) * softcap_grad_factor_from_p(p, lse_log2, scale_log2);
+          }
+        }
       }
       convert_into(tdPrdP, tdPrdS16);
       copy(smem_tiled_copy_p, tdSrdS_copy, tdSsdS(_, _, _, buffer));
@@ -234,7 +247,7 @@ struct BwdMainloopHeadSplit {
       ++read_state_do;
     };
 
-    work.template for_each_block<kBlockM, kBlockN, kIsCausal>(params.seqlen_q, params.seqlen_k, step);
+    work.template for_each_block<kBlockM, kBlockN, kIsCausal>(params.band, step);
     if (work.count() == 0) {  // no query sees these keys: dK = dV = 0
       clear(tdKrdK);
       clear(tdVrdV);

@@ -25,6 +25,7 @@
 #include "flash.h"
 #include "mask.h"
 #include "layouts.h"
+#include "softcap.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
 #include "transpose_v.h"
@@ -142,24 +143,29 @@ struct FwdMainloop {
     GmemShape shape_q, shape_k;
     TmaQ tma_q;
     TmaKV tma_k, tma_v;
-    int seqlen_q, seqlen_k, qheads_per_kvhead;
-    float softmax_scale_log2;
+    Band band;  // the keys each query sees (mask.h): the causal kernels read the window from it
+    int qheads_per_kvhead;
+    ScoreScales scales;  // softmax scale and softcap (softcap.h)
     bool pingpong;  // consumer warpgroups take turns issuing GEMMs (WarpgroupScheduler)
     DescaleTensor q_descale, k_descale, v_descale;  // FP8 only
   };
 
-  // The softmax scale (log2 domain) and O's final scale of one tile: FP8 folds q_descale * k_descale into
-  // the former and v_descale into the latter (per batch and KV head).
+  // The scales of one tile: the softmax's (log2 domain), softcap's (0 = off) and O's final one. FP8 folds
+  // q_descale * k_descale into the first one that S meets (softcap's, where on) and v_descale into O's (per
+  // batch and KV head).
   struct TileScales {
-    float softmax_scale_log2, o_scale;
+    float softmax_scale_log2, softcap_pre_scale, o_scale;
   };
   __device__ static TileScales tile_scales(Params const& params, TileCoord const& tile) {
+    ScoreScales const& s = params.scales;
     if constexpr (kTransposeV) {
       int const head_kv = tile.head / params.qheads_per_kvhead;
       float const qk = params.q_descale.at(tile.batch, head_kv) * params.k_descale.at(tile.batch, head_kv);
-      return {params.softmax_scale_log2 * qk, params.v_descale.at(tile.batch, head_kv)};
+      bool const softcap = s.softcap_pre_scale > 0.f;
+      return {softcap ? s.softmax_scale_log2 : s.softmax_scale_log2 * qk, s.softcap_pre_scale * qk,
+              params.v_descale.at(tile.batch, head_kv)};
     } else {
-      return {params.softmax_scale_log2, 1.f};
+      return {s.softmax_scale_log2, s.softcap_pre_scale, 1.f};
     }
   }
 
@@ -174,10 +180,9 @@ struct FwdMainloop {
             make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{}), _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeMNK{}), _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), select<1, 2>(TileShapeMNK{}), _1{}),
-            p.seqlen_q,
-            p.seqlen_k,
+            Band::make(p.seqlen_q, p.seqlen_k, p.options.window_left, p.options.window_right),
             p.nheads / p.nheads_kv,
-            float(p.softmax_scale * M_LOG2E),
+            ScoreScales::make(p.softmax_scale, p.options.softcap),
             p.pingpong < 0 ? Config::kPingPong : (Config::kPingPong && p.pingpong != 0),
             p.q_descale,
             p.k_descale,
@@ -239,14 +244,14 @@ struct FwdMainloop {
   // phases of both buffers follow from the block count (one tile per CTA: both start at stage 0, and the
   // staging buffer's producer is the TMA, which starts at phase 1 of its empty barriers): fewer live
   // registers than two pipeline states, which the lean producer (24 registers) would spill.
-  __device__ static void transpose_tile(TensorStorage& tensors, BarrierStorage& barriers, int n_block_max,
+  __device__ static void transpose_tile(TensorStorage& tensors, BarrierStorage& barriers, int num_blocks,
                                         int thread_idx) {
     if constexpr (kTransposeV) {
       constexpr int kStageBytes = int(size(take<0, 2>(SmemLayoutV{})) * sizeof(Element));
       static_assert(kStageBytes % 1024 == 0, "stage offsets keep the swizzle phase");
       auto const* staged_base = reinterpret_cast<uint8_t const*>(tensors.smem_v.data());
       auto* transposed_base = reinterpret_cast<uint8_t*>(tensors.smem_vt.data());
-      for (uint32_t block = 0; block < uint32_t(n_block_max); ++block) {
+      for (uint32_t block = 0; block < uint32_t(num_blocks); ++block) {
         uint32_t const staged = block % kStages, vt = block % kStagesVt;
         // Consumer of the staging buffer: its full barrier's phase starts at 0. Producer of V^T: its empty
         // barrier's starts at 1 (the buffer begins empty).
@@ -260,15 +265,16 @@ struct FwdMainloop {
     }
   }
 
-  // Loads one tile: Q and its K/V blocks [0, n_block_max), last block first. When CTAs loop over tiles
-  // (kLoopsOverTiles) the first K block goes before Q, whose buffer the previous tile may still hold: that K
-  // load overlaps the previous epilogue; `publish_tile` runs once the consumers are done with the previous
-  // tile and before Q's barrier is armed (they read the tile's coordinates after waiting for Q). A tile that sees
-  // no key still gets its Q, so that the Q barriers stay in step with the consumers. Called by the TMA thread.
+  // Loads one tile: Q and its K/V blocks [n_block_min, n_block_max), last block first. When CTAs loop over
+  // tiles (kLoopsOverTiles) the first K block goes before Q, whose buffer the previous tile may still hold:
+  // that K load overlaps the previous epilogue; `publish_tile` runs once the consumers are done with the
+  // previous tile and before Q's barrier is armed (they read the tile's coordinates after waiting for Q). A
+  // tile that sees no key still gets its Q, so that the Q barriers stay in step with the consumers. Called by
+  // the TMA thread.
   template <bool kLoopsOverTiles, class PublishTile>
   __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers,
-                              Pipelines& pipelines, PipelineState& write_state, TileCoord const& tile, int n_block_max,
-                              int tile_iteration, PublishTile&& publish_tile) {
+                              Pipelines& pipelines, PipelineState& write_state, TileCoord const& tile, int n_block_min,
+                              int n_block_max, int tile_iteration, PublishTile&& publish_tile) {
     PipelineKV& pipeline_k = pipelines.k;
     PipelineKV& pipeline_v = pipelines.v;
     Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
@@ -305,7 +311,7 @@ struct FwdMainloop {
       ++write_state;
     };
 
-    bool const has_keys = n_block_max > 0;
+    bool const has_keys = n_block_max > n_block_min;
     if constexpr (kLoopsOverTiles) {
       if (has_keys) { load_k(n_block_max - 1); }
       if (tile_iteration > 0) { barriers.barrier_q_empty.wait((tile_iteration - 1) & 1); }
@@ -317,7 +323,7 @@ struct FwdMainloop {
     if (!has_keys) { return; }
     if constexpr (!kLoopsOverTiles) { load_k(n_block_max - 1); }
     load_v(n_block_max - 1);
-    for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
+    for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
       load_k(n_block);
       load_v(n_block);
     }
@@ -335,15 +341,16 @@ struct FwdMainloop {
   __device__ static void wait_q(BarrierStorage& barriers, int tile_iteration) { barriers.barrier_q.wait(tile_iteration & 1); }
 
   // Computes the un-normalised O of the tile into tOrO and leaves the softmax state ready for finalize.
-  // Requires n_block_max > 0 and Q in shared memory (wait_q). With kHoldLastV consumer thread 0 keeps the V
-  // stage the last GEMM1 read (the epilogue stages O there) until release_v_stage.
+  // Requires n_block_max > n_block_min and Q in shared memory (wait_q). With kHoldLastV consumer thread 0
+  // keeps the V stage the last GEMM1 read (the epilogue stages O there) until release_v_stage. softcap_pre_scale
+  // is the tile's (TileScales; 0 = no softcap).
   template <bool kHoldLastV, class FragO, class SoftmaxT>
   __device__ static void mma(Params const& params, TensorStorage& tensors, Pipelines& pipelines,
-                             PipelineState& read_k, PipelineStateV& read_v, TileCoord const& tile, int n_block_max,
-                             int thread_idx, FragO& tOrO, SoftmaxT& softmax) {
+                             PipelineState& read_k, PipelineStateV& read_v, TileCoord const& tile, int n_block_min,
+                             int n_block_max, int thread_idx, FragO& tOrO, SoftmaxT& softmax, float softcap_pre_scale) {
     PipelineKV& pipeline_k = pipelines.k;
     PipelineGemmV& pipeline_v = pipelines.gemm_v();
-    using Blocks = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{params.band};
     int const m_block = tile.block;
     Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
@@ -360,7 +367,10 @@ struct FwdMainloop {
     // P in the input type, laid out as GEMM1's register A operand.
     Tensor tOrP = make_tensor<Element>(acc_layout_to_a_regs<Element>(tSrS.layout()));
 
-    Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, params.seqlen_q, params.seqlen_k);
+    Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, params.band);
+    // Softcap's tanh comes before the mask (-inf stays -inf) and the softmax. A uniform branch: no
+    // separate kernels for it.
+    bool const softcap = softcap_pre_scale > 0.f;
     WarpgroupScheduler<kNumMmaWarpGroups> scheduler(thread_idx / cutlass::NumThreadsPerWarpGroup,
                                                     Config::kPingPong && params.pingpong);
 
@@ -370,6 +380,7 @@ struct FwdMainloop {
     warpgroup_gemm<0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
     pipeline_k.consumer_release(read_k);
     ++read_k;
+    if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
     mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, n_block);
     softmax.template max_get_scale</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
     softmax.template online_softmax</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
@@ -389,7 +400,8 @@ struct FwdMainloop {
       warpgroup_fence_operand(tSrS);
       pipeline_k.consumer_release(read_k);
       ++read_k;
-      if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kCausalMask=*/true>(tSrS, m_block, n_block); }
+      if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
+      if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kBandMask=*/true>(tSrS, m_block, n_block); }
       auto scores_scale = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
       softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
       if constexpr (Config::kSoftmaxUnderGemm1) { warpgroup_wait_all_after(softmax.row_sum); }
@@ -405,10 +417,19 @@ struct FwdMainloop {
     --n_block;
     scheduler.start();
     if constexpr (kIsCausal) {
-      int const n_block_unmasked_end = max(0, Blocks::n_block_causal_min(m_block, params.seqlen_q, params.seqlen_k));
-      for (; n_block >= n_block_unmasked_end; --n_block) { step(n_block, cute::true_type{}); }
+      // The blocks crossing the band's right edge, those inside it, then those crossing its left edge: two
+      // passes over one masked and one unmasked loop, so that each kind of step is compiled once.
+      int masked_end = max(n_block_min, blocks.n_block_right_masked(m_block));
+      int const unmasked_end = max(n_block_min, blocks.n_block_left_unmasked(m_block));
+#pragma unroll 1
+      for (int pass = 0; pass < 2; ++pass) {
+        for (; n_block >= masked_end; --n_block) { step(n_block, cute::true_type{}); }
+        for (; n_block >= unmasked_end; --n_block) { step(n_block, cute::false_type{}); }
+        masked_end = n_block_min;
+      }
+    } else {
+      for (; n_block >= 0; --n_block) { step(n_block, cute::false_type{}); }
     }
-    for (; n_block >= 0; --n_block) { step(n_block, cute::false_type{}); }
     scheduler.finish();
 
     // GEMM1 of the last block.

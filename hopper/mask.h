@@ -1,8 +1,12 @@
-// Which (query, key) pairs attention sees, for both directions: a query i sees key j when j < seqlen_k
-// and, for causal attention, j <= i + seqlen_k - seqlen_q (aligned to the bottom-right corner).
+// Which (query, key) pairs attention sees, for both directions. Query i sees key j when j < seqlen_k and,
+// in banded kernels (the causal ones), j lies in i's band around the diagonal aligned to the bottom-right
+// corner (offset = seqlen_k - seqlen_q):
+//   i + offset - left <= j <= i + offset + right.
+// Causal attention is the band (unbounded, 0); a sliding window (FlashAttention's window_size) any other.
+// The band's sizes are run-time values, so one causal kernel computes every window.
 //
 // BlockRange answers it per block: the forward asks which K/V blocks a query block needs, the backward
-// which query blocks a K/V block contributes to, and both which blocks straddle the causal diagonal.
+// which query blocks a K/V block contributes to, and both which blocks straddle an edge of the band.
 // Mask answers it per score of a GMMA accumulator tile; the mainloops apply it only where BlockRange says.
 #pragma once
 
@@ -14,88 +18,129 @@ namespace flash {
 
 using namespace cute;
 
-template <int kBlockM, int kBlockN, bool kIsCausal>
+struct Band {
+  int seqlen_q, seqlen_k;
+  int left, right;  // the window's sizes; an unbounded side holds seqlen_q + seqlen_k (past every key)
+
+  // From a call's window sizes, -1 meaning unbounded (the host's normalised window: flash.h).
+  static Band make(int seqlen_q, int seqlen_k, int window_left, int window_right) {
+    int const unbounded = seqlen_q + seqlen_k;
+    return {seqlen_q, seqlen_k, window_left < 0 ? unbounded : window_left, window_right < 0 ? unbounded : window_right};
+  }
+  __host__ __device__ __forceinline__ int offset() const { return seqlen_k - seqlen_q; }
+};
+
+template <int kBlockM, int kBlockN, bool kBanded>
 struct BlockRange {
-  // Forward: query block m_block needs the K/V blocks [0, n_block_max).
-  __device__ __forceinline__ static int n_block_max(int m_block, int seqlen_q, int seqlen_k) {
-    int n_max = ceil_div(seqlen_k, kBlockN);
-    if constexpr (kIsCausal) {
-      // The block's last row, (m_block + 1) * kBlockM - 1, sees keys up to that row + seqlen_k - seqlen_q.
-      int const last_key_end = (m_block + 1) * kBlockM + seqlen_k - seqlen_q;
+  Band const band;
+
+  // Forward: query block m_block needs the K/V blocks [n_block_min, n_block_max).
+  __device__ __forceinline__ int n_block_max(int m_block) const {
+    int n_max = ceil_div(band.seqlen_k, kBlockN);
+    if constexpr (kBanded) {
+      // The block's last row, (m_block + 1) * kBlockM - 1, sees keys up to that row + offset + right.
+      int const last_key_end = (m_block + 1) * kBlockM + band.offset() + band.right;
       n_max = min(n_max, last_key_end > 0 ? ceil_div(last_key_end, kBlockN) : 0);
     }
     return n_max;
   }
-  // Forward, causal: the K/V blocks from this one on hold a key that some row of m_block may not see:
-  // block n with (n + 1) * kBlockN - 1 > m_block * kBlockM + seqlen_k - seqlen_q.
-  __device__ __forceinline__ static int n_block_causal_min(int m_block, int seqlen_q, int seqlen_k) {
-    return floor_div(m_block * kBlockM + seqlen_k - seqlen_q + 1, kBlockN);
+  __device__ __forceinline__ int n_block_min(int m_block) const {
+    // The block's first row sees keys from m_block * kBlockM + offset - left on.
+    return kBanded ? max(0, floor_div(m_block * kBlockM + band.offset() - band.left, kBlockN)) : 0;
+  }
+  // Forward, banded: the K/V blocks from this one on hold a key right of some row's band: block n with
+  // (n + 1) * kBlockN - 1 > m_block * kBlockM + offset + right.
+  __device__ __forceinline__ int n_block_right_masked(int m_block) const {
+    return floor_div(m_block * kBlockM + band.offset() + band.right + 1, kBlockN);
+  }
+  // Forward, banded: the K/V blocks below this one hold a key left of some row's band: block n with
+  // n * kBlockN < (m_block + 1) * kBlockM - 1 + offset - left.
+  __device__ __forceinline__ int n_block_left_unmasked(int m_block) const {
+    return ceil_div(max(0, (m_block + 1) * kBlockM - 1 + band.offset() - band.left), kBlockN);
   }
 
   // Backward: K/V block n_block contributes to the query blocks [m_block_min, m_block_max).
-  __device__ __forceinline__ static int m_block_max(int seqlen_q) { return ceil_div(seqlen_q, kBlockM); }
-  __device__ __forceinline__ static int m_block_min(int n_block, int seqlen_q, int seqlen_k) {
-    if constexpr (!kIsCausal) {
-      return 0;
+  __device__ __forceinline__ int m_block_min(int n_block) const {
+    // The first query that sees key n_block * kBlockN is that key - offset - right.
+    return kBanded ? max(0, floor_div(n_block * kBlockN - band.offset() - band.right, kBlockM)) : 0;
+  }
+  __device__ __forceinline__ int m_block_max(int n_block) const {
+    int const m_max = ceil_div(band.seqlen_q, kBlockM);
+    if constexpr (!kBanded) {
+      return m_max;
     } else {
-      // The first query that sees key n_block * kBlockN is n_block * kBlockN - (seqlen_k - seqlen_q).
-      return max(0, floor_div(n_block * kBlockN - seqlen_k + seqlen_q, kBlockM));
+      // The last query that sees key (n_block + 1) * kBlockN - 1 is that key - offset + left.
+      return min(m_max, max(0, floor_div((n_block + 1) * kBlockN - 1 - band.offset() + band.left, kBlockM) + 1));
     }
   }
-  // Backward, causal: from this query block on, every query sees every key of n_block (no causal mask):
-  // the block's first query m * kBlockM sees the block's last key (n_block + 1) * kBlockN - 1.
-  __device__ __forceinline__ static int m_block_causal_end(int n_block, int seqlen_q, int seqlen_k) {
-    return max(0, ceil_div((n_block + 1) * kBlockN - 1 - seqlen_k + seqlen_q, kBlockM));
+  // Backward, banded: from this query block on, no query has a key of n_block right of its band: the
+  // block's first query m * kBlockM sees the block's last key (n_block + 1) * kBlockN - 1.
+  __device__ __forceinline__ int m_block_right_unmasked(int n_block) const {
+    return max(0, ceil_div((n_block + 1) * kBlockN - 1 - band.offset() - band.right, kBlockM));
+  }
+  // Backward, banded: from this query block on, some query has key n_block * kBlockN left of its band:
+  // (m + 1) * kBlockM - 1 + offset - left > n_block * kBlockN.
+  __device__ __forceinline__ int m_block_left_masked(int n_block) const {
+    return floor_div(n_block * kBlockN - band.offset() + band.left + 1, kBlockM);
   }
 };
 
 // Masks a score tile S held in GMMA accumulators: rows are queries and columns keys (kKeysInRows = false,
 // S = Q K^T), or the transpose (kKeysInRows = true, S^T = K Q^T in the backward). Masked scores become -inf
 // (or the fill a caller gives).
-template <int kBlockM, int kBlockN, bool kIsCausal, class TiledMma, bool kKeysInRows = false>
+template <int kBlockM, int kBlockN, bool kBanded, class TiledMma, bool kKeysInRows = false>
 struct Mask {
   int const thread_idx;  // index within the consumer warpgroups
-  int const seqlen_q, seqlen_k;
+  Band const band;
 
-  __device__ __forceinline__ Mask(int thread_idx_, int seqlen_q_, int seqlen_k_)
-      : thread_idx(thread_idx_), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_) {}
+  __device__ __forceinline__ Mask(int thread_idx_, Band const& band_) : thread_idx(thread_idx_), band(band_) {}
 
-  // kSeqlenKMask: keys >= seqlen_k (only the last K/V block has them). kCausalMask: keys past the diagonal.
+  // kSeqlenKMask: keys >= seqlen_k (only the last K/V block has them). kBandMask: keys outside the band.
   // Masked scores become `fill`: -inf before the exponential, or 0 when applied to probabilities.
-  template <bool kSeqlenKMask, bool kCausalMask, class Engine, class Layout>
+  template <bool kSeqlenKMask, bool kBandMask, class Engine, class Layout>
   __device__ __forceinline__ void apply(Tensor<Engine, Layout>& acc_s, int m_block, int n_block, float fill = -INFINITY) const {
-    static_assert(!kCausalMask || kIsCausal);
-    if constexpr (!kSeqlenKMask && !kCausalMask) { return; }
+    static_assert(!kBandMask || kBanded);
+    if constexpr (!kSeqlenKMask && !kBandMask) { return; }
     using TileRowsCols = std::conditional_t<kKeysInRows, Shape<Int<kBlockN>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kBlockN>>>;
     TiledMma tiled_mma;
     auto thread_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor coords = thread_mma.partition_C(make_identity_tensor(TileRowsCols{}));
     Tensor coords_rc = make_tensor(coords.data(), acc_layout_rowcol(coords.layout()));
     Tensor scores = make_rowcol_view(acc_s);
-    // Key limits relative to this block's first key, and the causal diagonal: key_local <= query_local + offset.
-    int const seqlen_k_limit = seqlen_k - n_block * kBlockN;
-    int const diagonal_offset = m_block * kBlockM + seqlen_k - seqlen_q - n_block * kBlockN;
+    // Key limits relative to this block's first key, and the diagonal: key_local = query_local + diagonal_offset.
+    int const seqlen_k_limit = band.seqlen_k - n_block * kBlockN;
+    int const diagonal_offset = m_block * kBlockM + band.offset() - n_block * kBlockN;
     if constexpr (!kKeysInRows) {
+      // Row = query: it sees the keys [col_min, col_limit).
       CUTLASS_PRAGMA_UNROLL
       for (int mi = 0; mi < size<0>(scores); ++mi) {
+        int const query_local = int(get<0>(coords_rc(mi, 0)));
         int col_limit = kSeqlenKMask ? seqlen_k_limit : kBlockN;
-        if constexpr (kCausalMask) { col_limit = min(col_limit, int(get<0>(coords_rc(mi, 0))) + diagonal_offset + 1); }
+        int col_min = 0;
+        if constexpr (kBandMask) {
+          col_limit = min(col_limit, query_local + diagonal_offset + band.right + 1);
+          col_min = query_local + diagonal_offset - band.left;
+        }
+        // One unsigned compare per score: col in [col_min, col_limit).
+        uint32_t const width = uint32_t(max(col_limit - col_min, 0));
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < size<1>(scores); ++ni) {
-          if (int(get<1>(coords_rc(mi, ni))) >= col_limit) { scores(mi, ni) = fill; }
+          int const col = int(get<1>(coords_rc(mi, ni)));
+          if (uint32_t(col - col_min) >= width) { scores(mi, ni) = fill; }
         }
       }
     } else {
-      // Row = key: the whole row is masked past seqlen_k; causally, queries with
-      // query_local < key_local - diagonal_offset do not see it.
+      // Row = key: the queries [col_min, col_end) see it; none does past seqlen_k.
       CUTLASS_PRAGMA_UNROLL
       for (int mi = 0; mi < size<0>(scores); ++mi) {
         int const key_local = int(get<0>(coords_rc(mi, 0)));
-        int col_min = kCausalMask ? key_local - diagonal_offset : 0;
+        int col_min = kBandMask ? key_local - diagonal_offset - band.right : 0;
+        int const col_end = kBandMask ? key_local - diagonal_offset + band.left + 1 : kBlockM;
         if constexpr (kSeqlenKMask) { col_min = key_local >= seqlen_k_limit ? kBlockM : col_min; }
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < size<1>(scores); ++ni) {
-          if (int(get<1>(coords_rc(mi, ni))) < col_min) { scores(mi, ni) = fill; }
+          int const col = int(get<1>(coords_rc(mi, ni)));
+          if (col < col_min || (kBandMask && col >= col_end)) { scores(mi, ni) = fill; }
         }
       }
     }

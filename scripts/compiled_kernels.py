@@ -13,3 +13,13 @@ def compiled_kernels(direction, dtypes):
     kernels = [k for k in flash_ext.build_info()["kernels"] if k["direction"] == direction and k["dtype"] in dtypes]
     kernels.sort(key=lambda k: (k["headdim"], dtypes.index(k["dtype"]), k["causal"]))
     return [(k["headdim"], DTYPES[k["dtype"]], k["causal"]) for k in kernels]
+
+
+def call_options(causal):
+    """The masks and score options that run on a kernel of mask `causal`, as keyword arguments of
+    flash_ext.forward / backward: the causal kernel also runs sliding windows (causal or not), and every
+    kernel softcap."""
+    if causal:
+        return [dict(causal=True), dict(causal=True, window_size=(50, 0), softcap=10.0),
+                dict(causal=False, window_size=(30, 20))]
+    return [dict(causal=False), dict(causal=False, softcap=10.0)]

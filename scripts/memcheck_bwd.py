@@ -1,13 +1,13 @@
 """Runs every compiled backward kernel once on small odd shapes (GQA, a partial last block, causal rows
-that see no key), deterministic and not, without reference computations: the workload for
-compute-sanitizer, which slows every kernel down by orders of magnitude.
+that see no key, sliding windows and softcap), deterministic and not, without reference computations: the
+workload for compute-sanitizer, which slows every kernel down by orders of magnitude.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_bwd.py
 """
 import torch
 
 import flash_ext
-from compiled_kernels import compiled_kernels
+from compiled_kernels import call_options, compiled_kernels
 
 SHAPES = [(1, 129, 257, 4, 2), (2, 300, 50, 2, 1)]  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
 
@@ -17,10 +17,11 @@ def main():
         for b, sq, sk, h, hkv in SHAPES:
             q, dout = (torch.randn(b, sq, h, d, device="cuda", dtype=dtype) for _ in range(2))
             k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
-            out, lse = flash_ext.forward(q, k, v, causal=causal)
-            for deterministic in (False, True):
-                grads = flash_ext.backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
-                assert all(torch.isfinite(g).all() for g in grads)
+            for options in call_options(causal):
+                out, lse = flash_ext.forward(q, k, v, **options)
+                for deterministic in (False, True):
+                    grads = flash_ext.backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+                    assert all(torch.isfinite(g).all() for g in grads)
         torch.cuda.synchronize()
         print(f"d{d} {dtype} causal={causal}: ran", flush=True)
 

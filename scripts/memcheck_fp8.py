@@ -1,13 +1,13 @@
 """Runs every compiled FP8 forward kernel once on small odd shapes (GQA, partial last blocks, causal rows
-that see no key, several tiles per CTA), without reference computations: the workload for
-compute-sanitizer.
+that see no key, several tiles per CTA) with sliding windows and softcap, without reference computations:
+the workload for compute-sanitizer.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fp8.py
 """
 import torch
 
 import flash_ext
-from compiled_kernels import compiled_kernels
+from compiled_kernels import call_options, compiled_kernels
 
 SHAPES = [(1, 129, 257, 4, 2), (2, 300, 50, 2, 1), (1, 700, 700, 8, 8)]  # (batch, sq, sk, nheads, nheads_kv)
 
@@ -18,9 +18,10 @@ def main():
             q = torch.randn(b, sq, h, d, device="cuda").to(e4m3)
             k, v = (torch.randn(b, sk, hkv, d, device="cuda").to(e4m3) for _ in range(2))
             descale = torch.rand(b, hkv, device="cuda") + 0.5
-            out, lse = flash_ext.forward(q, k, v, causal=causal, q_descale=descale, k_descale=descale,
-                                         v_descale=descale)
-            assert torch.isfinite(out).all()
+            for options in call_options(causal):
+                out, lse = flash_ext.forward(q, k, v, q_descale=descale, k_descale=descale, v_descale=descale,
+                                             **options)
+                assert torch.isfinite(out).all()
         torch.cuda.synchronize()
         print(f"d{d} e4m3 causal={causal}: ran", flush=True)
 

@@ -1,6 +1,7 @@
 """Runs every compiled 16-bit forward kernel in both launch forms (one CTA per tile, persistent:
 FLASH_EXT_PERSISTENT=0/1) on small odd shapes (GQA, partial last blocks, causal rows that see no key,
-many tiles per persistent CTA), without reference computations: the workload for compute-sanitizer.
+many tiles per persistent CTA) with every mask and score option the kernel runs (sliding windows, softcap),
+without reference computations: the workload for compute-sanitizer.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fwd.py
 """
@@ -9,7 +10,7 @@ import os
 import torch
 
 import flash_ext
-from compiled_kernels import compiled_kernels
+from compiled_kernels import call_options, compiled_kernels
 
 SHAPES = [(1, 129, 257, 4, 2), (2, 300, 50, 2, 1), (3, 700, 700, 16, 4)]  # (batch, sq, sk, nheads, nheads_kv)
 
@@ -21,8 +22,9 @@ def main():
             for b, sq, sk, h, hkv in SHAPES:
                 q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
                 k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
-                out, lse = flash_ext.forward(q, k, v, causal=causal)
-                assert torch.isfinite(out).all()
+                for options in call_options(causal):
+                    out, lse = flash_ext.forward(q, k, v, **options)
+                    assert torch.isfinite(out).all()
             torch.cuda.synchronize()
             print(f"d{d} {dtype} causal={causal} persistent={persistent}: ran", flush=True)
     os.environ.pop("FLASH_EXT_PERSISTENT", None)

@@ -255,15 +255,15 @@ def test_backward_non_tensor_lse():
         flash_ext.backward(**a)
 
 
-@pytest.mark.parametrize("name,value", [("window_size", (64, 0)), ("softcap", 50.0), ("num_splits", 2)])
+@pytest.mark.parametrize("name,value", [("attention_chunk", 64), ("sm_margin", 8), ("num_splits", 2)])
 def test_flash_attn_func_unsupported_arguments(name, value):
     with pytest.raises(NotImplementedError, match=rf"{name}=.* is not supported by flash_ext yet"):
         flash_ext.flash_attn_func(*qkv(), **{name: value})
 
 
 def test_flash_attn_qkvpacked_func_argument_errors():
-    with pytest.raises(NotImplementedError, match=r"flash_attn_qkvpacked_func: softcap=50.0 is not supported"):
-        flash_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 3, 2, 64).half(), softcap=50.0)
+    with pytest.raises(NotImplementedError, match=r"flash_attn_qkvpacked_func: attention_chunk=64 is not supported"):
+        flash_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 3, 2, 64).half(), attention_chunk=64)
     with pytest.raises(TypeError, match=r"qkv must be a torch.Tensor, got list"):
         flash_ext.flash_attn_qkvpacked_func([0.0])
     with pytest.raises(ValueError, match=r"a 5-D qkv must be \(batch, seqlen, 3, nheads, headdim\)"):
@@ -311,3 +311,112 @@ def test_sdpa_argument_errors():
         flash_ext.sdpa(q, k, v)
     with pytest.raises(ValueError, match=r"key and value must have the same number of heads"):
         flash_ext.sdpa(q, k, v[:, :1], enable_gqa=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# window_size and softcap: Python checks their types (before any op call); the op checks their values.
+# ------------------------------------------------------------------------------------------------
+
+BAD_WINDOW_TYPES = [(5, TypeError), ((1,), ValueError), ((1, 2, 3), ValueError), ((1.5, 0), TypeError),
+                    ((True, 0), TypeError), ((0, None), TypeError), ("64,0", TypeError), (None, TypeError)]
+BAD_SOFTCAP_TYPES = ["x", True, None, torch.tensor(5.0), (5.0,)]
+
+
+def _entry_points():
+    """Every public entry point that takes window_size and softcap, as f(**kwargs) on valid CPU tensors."""
+    q, k, v = qkv()
+    a = bwd_args()
+    return {
+        "forward": lambda **kw: flash_ext.forward(q, k, v, **kw),
+        "forward_fp8": lambda **kw: flash_ext.forward(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)), **kw),
+        "attention": lambda **kw: flash_ext.attention(q, k, v, **kw),
+        "attention_grad": lambda **kw: flash_ext.attention(q.requires_grad_(), k, v, **kw),
+        "backward": lambda **kw: flash_ext.backward(**a, **kw),
+        "backward_out": lambda **kw: flash_ext.backward(**a, dq=torch.empty_like(a["q"]), **kw),
+        "flash_attn_func": lambda **kw: flash_ext.flash_attn_func(q, k, v, **kw),
+        "flash_attn_qkvpacked_func": lambda **kw: flash_ext.flash_attn_qkvpacked_func(torch.stack((q, k, v), 2), **kw),
+    }
+
+
+@pytest.fixture
+def no_op_calls(monkeypatch):
+    """Fails the test if anything reaches the ops: the type checks must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("an op was called before the Python type checks")
+
+    monkeypatch.setattr(flash_ext.interface, "_require_extension", refuse)
+
+
+@pytest.mark.parametrize("entry", list(_entry_points()))
+@pytest.mark.parametrize("window,exc", [pytest.param(w, e, id=repr(w)) for w, e in BAD_WINDOW_TYPES])
+def test_window_size_type(entry, window, exc, no_op_calls):
+    with pytest.raises(exc, match=r"window_size must be a tuple \(left, right\) of two ints"):
+        _entry_points()[entry](window_size=window)
+
+
+@pytest.mark.parametrize("entry", list(_entry_points()))
+@pytest.mark.parametrize("softcap", BAD_SOFTCAP_TYPES, ids=repr)
+def test_softcap_type(entry, softcap, no_op_calls):
+    with pytest.raises(TypeError, match=r"softcap must be a float \(0 = off\)"):
+        _entry_points()[entry](softcap=softcap)
+
+
+def test_window_size_and_softcap_conversion():
+    from flash_ext.interface import _mask_kwargs, _softcap, _window_size
+
+    assert _window_size([3, -1]) == (3, -1) and _window_size((0, 0)) == (0, 0)
+    assert _softcap(30) == 30.0 and isinstance(_softcap(30), float) and _softcap(0.5) == 0.5
+    # Values are not Python's to judge: they reach the op, which raises for them.
+    assert _window_size((-7, 100)) == (-7, 100) and _softcap(-1.0) == -1.0
+    assert _mask_kwargs((-1, -1), 0.0) == {"window_left": -1, "window_right": -1, "softcap": 0.0}
+
+
+# (kwargs, the argument the op's ValueError names)
+BAD_VALUES = [
+    (dict(window_size=(-2, 0)), "window_size"),
+    (dict(window_size=(0, -3)), "window_size"),
+    (dict(window_size=(-1, 5), causal=True), "window_size"),
+    (dict(window_size=(16, 1), causal=True), "window_size"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(softcap=float("inf")), "softcap"),
+    (dict(softcap=float("nan")), "softcap"),
+]
+
+
+@needs_ext
+@pytest.mark.parametrize("entry", list(_entry_points()))
+@pytest.mark.parametrize("kwargs,name", [pytest.param(kw, n, id=str(kw)) for kw, n in BAD_VALUES])
+def test_window_and_softcap_values_checked_by_the_op(entry, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        _entry_points()[entry](**kwargs)
+
+
+@needs_ext
+@pytest.mark.parametrize("kwargs,name", [pytest.param(kw, n, id=str(kw)) for kw, n in BAD_VALUES])
+def test_window_and_softcap_values_checked_through_torch_ops(kwargs, name):
+    q, k, v = qkv()
+    a = bwd_args()
+    causal = kwargs.get("causal", False)
+    left, right = kwargs.get("window_size", (-1, -1))
+    mask = dict(window_left=left, window_right=right, softcap=kwargs.get("softcap", 0.0))
+    with pytest.raises(ValueError, match=name):
+        torch.ops.flash_ext.fwd(q, k, v, 0.125, causal, None, None, None, **mask)
+    with pytest.raises(ValueError, match=name):
+        torch.ops.flash_ext.bwd(a["dout"], q, k, v, a["out"], a["lse"], None, 0.125, causal, False, **mask)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    with pytest.raises(ValueError, match=name):
+        torch.ops.flash_ext.bwd_out(a["dout"], q, k, v, a["out"], a["lse"], None, 0.125, causal, False, dq, dk, dv,
+                                    **mask)
+
+
+@needs_ext
+@pytest.mark.parametrize("kwargs", [dict(window_size=(0, 0)), dict(window_size=(128, 0), causal=True),
+                                    dict(window_size=(-1, 0), causal=True), dict(window_size=(5, 7)),
+                                    dict(window_size=(-1, 100)), dict(softcap=30.0), dict(softcap=0),
+                                    dict(window_size=[64, -1], causal=True, softcap=5)],
+                         ids=str)
+def test_valid_window_and_softcap_pass_the_op_checks(kwargs):
+    """Legal values pass every check but the device one (CPU tensors)."""
+    for entry in ("forward", "forward_fp8", "backward", "flash_attn_func"):
+        with pytest.raises(ValueError, match=r"needs CUDA"):
+            _entry_points()[entry](**kwargs)

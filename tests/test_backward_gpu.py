@@ -186,11 +186,15 @@ def test_autograd_through_forward_and_flash_attn_func():
 
 def test_flash_attn_func_rejects_unsupported_fa3_arguments():
     q, k, v, _ = _make(1, 16, 16, 2, 2, 64, torch.bfloat16, seed=2)
-    for name, value in (("window_size", (128, 0)), ("softcap", 30.0), ("num_splits", 4), ("qv", q),
-                        ("attention_chunk", 64), ("pack_gqa", True), ("sm_margin", 8)):
+    for name, value in (("num_splits", 4), ("qv", q), ("attention_chunk", 64), ("pack_gqa", True), ("sm_margin", 8)):
         with pytest.raises(NotImplementedError, match=name):
             flash_ext.flash_attn_func(q, k, v, **{name: value})
-    flash_ext.flash_attn_func(q, k, v, window_size=[-1, -1], softcap=0.0, num_splits=1, pack_gqa=None)
+    for name, value in (("attention_chunk", 64), ("sm_margin", 8)):
+        with pytest.raises(NotImplementedError, match=rf"flash_attn_qkvpacked_func: {name}"):
+            flash_ext.flash_attn_qkvpacked_func(torch.stack((q, k, v), dim=2), **{name: value})
+    # Their neutral values are accepted (window_size and softcap are supported: tests/test_window_softcap_gpu.py).
+    flash_ext.flash_attn_func(q, k, v, window_size=[-1, -1], softcap=0.0, num_splits=1, pack_gqa=None,
+                              attention_chunk=0, sm_margin=0)
     # Descales are supported, for FP8 inputs only (tests/test_fp8_*.py).
     with pytest.raises(ValueError, match=r"q_descale is only for FP8"):
         flash_ext.flash_attn_func(q, k, v, q_descale=torch.ones(1, 2, device="cuda"))

@@ -514,3 +514,211 @@ def test_fp8_run_has_the_bf16_yardstick(fake_build):
         r.flops = shapes.attention_flops(r.shape, r.mode)
     text = report.format_table(recs, "fwd")
     assert "flash_ext bf16" in text and "fp8/bf16" in text and "1.50x" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# --window / --softcap: visible pairs, FLOPs, options, backends, the comparison columns
+# ------------------------------------------------------------------------------------------------
+def _visible_brute(sq, sk, causal, window):
+    left, right = window
+    right = 0 if causal else right
+    count = 0
+    for i in range(sq):
+        for j in range(sk):
+            diag = i + sk - sq
+            count += (right < 0 or j <= diag + right) and (left < 0 or j >= diag - left)
+    return count
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 9), (9, 1), (5, 3), (3, 5), (7, 7), (16, 40), (40, 16), (33, 33)])
+def test_visible_pairs_brute_force(sq, sk):
+    for left in (-1, 0, 1, 2, 5, 8, 15, 39, 100):
+        for right in (-1, 0, 1, 3, 8, 39, 100):
+            for causal in (False, True):
+                if causal and right > 0:
+                    continue
+                assert shapes.visible_pairs(sq, sk, causal, (left, right)) == _visible_brute(sq, sk, causal, (left, right)), \
+                    (sq, sk, causal, left, right)
+    assert shapes.visible_pairs(sq, sk) == sq * sk
+    assert shapes.visible_pairs(sq, sk, True) == shapes.causal_pairs(sq, sk) == _pairs_brute(sq, sk)
+
+
+def test_visible_pairs_large_and_invalid():
+    # A 256-key causal window on 8k: every row sees min(i + 1, 257) keys.
+    assert shapes.visible_pairs(8192, 8192, True, (256, 0)) == sum(min(i + 1, 257) for i in range(8192))
+    assert shapes.visible_pairs(8192, 8192, False, (100, 100)) == sum(
+        min(i + 100, 8191) - max(i - 100, 0) + 1 for i in range(8192))
+    assert shapes.visible_pairs(4, 0, True, (3, 0)) == 0
+    with pytest.raises(ValueError):
+        shapes.visible_pairs(8, 8, True, (3, 2))
+    with pytest.raises(ValueError):
+        shapes.visible_pairs(8, 8, False, (-2, 0))
+
+
+def test_flops_with_window_and_softcap():
+    for causal, window in ((True, (256, 0)), (False, (64, 64)), (True, (-1, 0)), (False, (-1, 100)), (True, (5000, 0))):
+        s = Shape(2, 1000, 1200, 16, 4, 128, causal, *window)
+        assert shapes.attention_flops(s, "fwd") == 4 * 2 * 16 * 128 * _visible_brute(1000, 1200, causal, window)
+        assert shapes.attention_flops(s, "bwd") == 2.5 * shapes.attention_flops(s, "fwd")
+    # No window: the convention as before (causal sq == sk exactly half); the softcap changes no FLOP count.
+    for causal in (False, True):
+        plain = Shape(4, 2048, 2048, 8, 8, 64, causal)
+        assert shapes.attention_flops(Shape(4, 2048, 2048, 8, 8, 64, causal, -1, -1, 30.0), "fwd") == \
+            shapes.attention_flops(plain, "fwd") == (4 if not causal else 2) * 4 * 8 * 2048 * 2048 * 64
+
+
+def test_shape_window_fields_labels_and_old_json():
+    s = Shape(2, 1024, 1024, 16, 16, 128, True, 256, 0, 30.0)
+    assert s.window == (256, 0) and s.has_window()
+    assert s.label() == "d128 1k C b2 h16 w256,0 cap30"
+    assert s.window_softcap_kwargs() == {"window_size": (256, 0), "softcap": 30.0}
+    plain = Shape(2, 1024, 1024, 16, 16, 128, True)
+    assert plain.label() == "d128 1k C b2 h16" and plain.window_softcap_kwargs() == {} and not plain.has_window()
+    assert Shape(1, 8, 8, 1, 1, 64, False, softcap=5.0).window_softcap_kwargs() == {"softcap": 5.0}
+    assert Shape.from_dict(s.to_dict()) == s
+    old = {k: v for k, v in plain.to_dict().items() if k not in ("window_left", "window_right", "softcap")}
+    assert Shape.from_dict(old) == plain  # a results file written before the window existed
+
+
+def test_window_and_softcap_options():
+    args = _args()
+    assert args.window is None and args.softcap == 0.0
+    args = _args("--window", "256,0", "--softcap", "30")
+    assert args.window == (256, 0) and args.softcap == 30.0
+    assert _args("--window=-1,100").window == (-1, 100)
+    assert _args("--window", " 7 , -1 ").window == (7, -1)
+    for bad in (["--window", "3"], ["--window", "1,2,3"], ["--window", "a,b"], ["--window", "1.5,0"],
+                ["--window=-2,0"], ["--window", "0,-5"], ["--window", ""], ["--softcap", "-1"], ["--softcap", "nan"],
+                ["--softcap", "inf"], ["--softcap", "x"]):
+        with pytest.raises(SystemExit):
+            _args(*bad)
+    # Causal shapes need a right bound of -1 or 0: an argparse error, not a crash.
+    with pytest.raises(ValueError, match=r"right bound > 0 needs --causal no"):
+        cli.build_grid(_args("--window", "64,64"))
+    with pytest.raises(SystemExit):
+        cli.main(["--dry-run", "--window", "64,64", "--causal", "both"])
+
+
+def test_window_grid_and_backends():
+    grid = cli.build_grid(_args("--quick", "--window", "256,0", "--softcap", "30"))
+    assert len(grid) == 4 and all(s.window == (256, 0) and s.softcap == 30.0 for s in grid)
+    grid = cli.build_grid(_args("--quick", "--window", "64,64", "--causal", "no"))
+    assert {(s.window, s.causal, s.softcap) for s in grid} == {((64, 64), False, 0.0)}
+    assert cli.build_grid(_args("--quick", "--window=-1,-1")) == cli.build_grid(_args("--quick"))
+    keys = cli.select_backends(_args("--window", "256,0"))
+    assert keys[:2] == ["flash_ext", "flash_ext_no_window"] and "flash_ext_no_softcap" not in keys
+    keys = cli.select_backends(_args("--softcap", "5"))
+    assert keys[:2] == ["flash_ext", "flash_ext_no_softcap"] and "flash_ext_no_window" not in keys
+    keys = cli.select_backends(_args("--window", "8,0", "--softcap", "5"))
+    assert keys[:3] == ["flash_ext", "flash_ext_no_window", "flash_ext_no_softcap"]
+    assert "flash_ext_no_window" not in cli.select_backends(_args())
+    assert cli.select_backends(_args("--window", "8,0", "--backends", "flash_ext,sdpa_flash")) == ["flash_ext", "sdpa_flash"]
+    assert records.backend_name("flash_ext_no_window") == "flash_ext (no window)"
+    assert records.backend_name("flash_ext_no_softcap") == "flash_ext (no softcap)"
+
+
+def test_dry_run_shows_window_and_softcap(capsys):
+    assert cli.main(["--dry-run", "--quick", "--causal", "yes", "--window", "256,0", "--softcap", "30", "--mode", "both"]) == 0
+    out = capsys.readouterr().out
+    assert "window (256, 0), softcap 30" in out
+    assert "flash_ext (no window)" in out and "flash_ext (no softcap)" in out
+    assert "d128 8k C b2 h16 w256,0 cap30" in out and "visible (query, key) pairs" in out
+    gflop = 4 * 2 * 16 * 128 * shapes.visible_pairs(8192, 8192, True, (256, 0)) / 1e9
+    assert f"{gflop:.1f}" in out
+    assert cli.main(["--dry-run", "--quick"]) == 0
+    assert "window" not in capsys.readouterr().out
+
+
+def test_window_softcap_refusals(fake_build):
+    windowed = Shape(2, 1024, 1024, 16, 16, 128, False, 64, 64)
+    capped = Shape(2, 1024, 1024, 16, 16, 128, True, softcap=30.0)
+    plain = Shape(2, 1024, 1024, 16, 16, 128, False)
+    cfg = runner.RunConfig(dtype="bf16")
+    for key in records.SDPA_KEYS + ("flex",):
+        be = backends.BACKENDS[key](cfg)
+        status, reason = be.refuse(windowed, "fwd")
+        assert status == records.SKIPPED and "window" in reason
+        status, reason = be.refuse(capped, "fwd")
+        assert status == records.SKIPPED and "softcap" in reason
+        assert be.refuse(plain, "fwd") is None
+    ext = backends.FlashExtBackend(cfg)
+    # The fake build has d128 bf16 forward kernels both ways but only the non-causal backward: a window runs
+    # on the causal kernel, so its backward is skipped, with the reason.
+    assert ext.refuse(windowed, "fwd") is None and ext.refuse(plain, "bwd") is None
+    status, reason = ext.refuse(windowed, "bwd")
+    assert status == records.SKIPPED and "sliding windows" in reason
+    no_window = backends.FlashExtNoWindowBackend(cfg)
+    assert no_window.problem(windowed) == plain and no_window.refuse(windowed, "bwd") is None
+    assert no_window.refuse(plain, "fwd")[0] == records.SKIPPED
+    no_softcap = backends.FlashExtNoSoftcapBackend(cfg)
+    assert no_softcap.problem(capped) == dataclasses.replace(capped, softcap=0.0)
+    assert no_softcap.refuse(plain, "fwd")[0] == records.SKIPPED
+    assert backends.FlashExtBackend(cfg).problem(windowed) == windowed
+
+
+def test_window_softcap_run_on_cpu(fake_build, monkeypatch, tmp_path):
+    """The runner with --window and --softcap: flash_ext (faked by the float64 reference) runs the band and the
+    softcap and is checked against the reference of both; the comparison columns run without one of them, with
+    their own FLOPs and reference; SDPA is skipped with the reason; the table shows the time ratios."""
+    seen = []
+
+    def fake_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+        seen.append((tuple(window_size), softcap))
+        out, lse = reference.attention_ref(q, k, v, softmax_scale, causal, window_size=window_size, softcap=softcap)
+        return out.to(q.dtype), lse.float()
+
+    def fake_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False,
+                      dq=None, dk=None, dv=None, dlse=None, window_size=(-1, -1), softcap=0.0):
+        leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+        o, _ = reference.attention_autograd(*leaves, softmax_scale=softmax_scale, causal=causal,
+                                            window_size=window_size, softcap=softcap)
+        return tuple(g.to(q.dtype) for g in torch.autograd.grad(o, leaves, dout.double()))
+
+    monkeypatch.setattr(flash_ext, "forward", fake_forward)
+    monkeypatch.setattr(flash_ext, "backward", fake_backward, raising=False)
+    fake_build["kernels"].append({"direction": "bwd", "headdim": 128, "dtype": "bf16", "causal": True})
+    args = _args("--window", "24,0", "--softcap", "5", "--causal", "yes")
+    keys = cli.select_backends(args)[:3] + ["sdpa_math"]
+    cfg = runner.RunConfig(dtype="bf16")
+    bes = backends.make_backends(keys, cfg)
+    shape = Shape(1, 96, 128, 2, 2, 128, True, 24, 0, 5.0)
+    recs, fatal = runner.run_benchmark([shape], ["fwd", "bwd"], bes, cfg, torch.device("cpu"), timing.cpu_timer)
+    assert fatal is None
+    by = {(r.mode, r.backend): r for r in recs}
+    for mode in ("fwd", "bwd"):
+        for key in ("flash_ext", "flash_ext_no_window", "flash_ext_no_softcap"):
+            rec = by[(mode, key)]
+            assert rec.shape == shape  # one row of the table
+            assert rec.status == records.OK and rec.checked and rec.max_err <= rec.tol, (key, rec.reason)
+        assert by[(mode, "flash_ext")].flops == shapes.attention_flops(shape, mode)
+        assert by[(mode, "flash_ext_no_window")].flops == shapes.attention_flops(
+            dataclasses.replace(shape, window_left=-1, window_right=-1), mode)
+        assert by[(mode, "flash_ext_no_window")].flops > by[(mode, "flash_ext")].flops
+        assert by[(mode, "flash_ext_no_softcap")].flops == by[(mode, "flash_ext")].flops
+        assert by[(mode, "flash_ext_no_window")].diff_vs_flash_ext is None  # another problem: no diff
+        assert by[(mode, "sdpa_math")].status == records.SKIPPED and "window" in by[(mode, "sdpa_math")].reason
+    assert {((24, 0), 5.0), ((-1, -1), 5.0), ((24, 0), 0.0)} <= set(seen)
+    text = report.format_table(recs, "fwd", keys)
+    assert "t/t(no window)" in text and "t/t(no softcap)" in text and "flash_ext (no window)" in text
+    assert "visible (query, key) pairs" in text and "SDPA has no sliding window" in text
+    assert "window (24, 0), softcap 5" in cli.table_title("fwd", {}, args)
+    path = jsonfile.write_json(str(tmp_path / "w.json"), env.collect_env(None), cli.config_dict(args, [shape], ["fwd"], keys),
+                               recs)
+    doc, back = jsonfile.load_json(path)
+    assert back[0].shape == shape and doc["config"]["window"] == [24, 0] and doc["config"]["softcap"] == 5.0
+    row = doc["summary"]["fwd"]["rows"][0]
+    assert row["flash_ext_time_over_no_window"] is not None and row["flash_ext_time_over_no_softcap"] is not None
+
+
+def test_window_reference_catches_an_ignored_window(fake_build, monkeypatch):
+    """A flash_ext that ignored the window would be WRONG (the check's reference applies it), not timed."""
+    def forward_without_window(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+        out, lse = reference.attention_ref(q, k, v, softmax_scale, causal, softcap=softcap)
+        return out.to(q.dtype), lse.float()
+
+    monkeypatch.setattr(flash_ext, "forward", forward_without_window)
+    cfg = runner.RunConfig(dtype="bf16")
+    shape = Shape(1, 128, 128, 2, 2, 128, True, 8, 0)
+    (rec,), _ = runner.run_benchmark([shape], ["fwd"], backends.make_backends(["flash_ext"], cfg), cfg,
+                                     torch.device("cpu"), timing.cpu_timer)
+    assert rec.status == records.WRONG and rec.ms is None

@@ -338,3 +338,227 @@ def test_lowp_close_to_ref(dtype, atol, causal):
     torch.testing.assert_close(out.double(), out_ref, atol=atol, rtol=0)
     if causal:
         assert (out[:, :30] == 0).all()
+
+
+# ---- sliding window and softcap ---------------------------------------------------------------------------
+
+def band_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
+    """(seqlen_q, seqlen_k) bool, built with tril/triu independently of reference._visible: key j visible
+    to query i iff i + d - left <= j <= i + d + right, d = seqlen_k - seqlen_q (causal: right = 0)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    ones = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    d = seqlen_k - seqlen_q
+    mask = ones.clone()
+    if right >= 0:
+        mask &= ones.tril(diagonal=d + right)
+    if left >= 0:
+        mask &= ones.triu(diagonal=d - left)
+    return mask
+
+
+def naive_attention(q, k, v, scale, mask, softcap=0.0):
+    """float64 attention written out: expanded kv heads, c * tanh(s / c), explicit mask, torch.softmax.
+    (out, lse); rows that see no key give out 0, lse -inf."""
+    group = q.shape[2] // k.shape[2]
+    kx, vx = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kx) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vx), lse
+
+
+# (seqlen_q, seqlen_k, causal, window): bands narrower than a row, wider than the keys, looking ahead,
+# q longer and shorter than k (rows that see no key), causal with a left bound.
+WINDOW_CASES = [
+    (33, 45, False, (0, 0)),
+    (33, 45, False, (3, 5)),
+    (45, 33, False, (0, 0)),  # the first 12 queries see no key
+    (45, 33, False, (-1, 4)),
+    (45, 33, False, (7, -1)),
+    (20, 20, False, (100, 100)),  # wider than everything: the full attention
+    (1, 17, False, (4, 0)),
+    (17, 1, False, (2, 2)),
+    (33, 45, True, (5, -1)),
+    (33, 45, True, (0, 0)),
+    (45, 33, True, (9, 0)),
+    (45, 33, True, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,window", WINDOW_CASES)
+def test_ref_window_matches_explicit_mask(seqlen_q, seqlen_k, causal, window):
+    q, k, v = make_qkv(seqlen_q + 100 * seqlen_k, 2, seqlen_q, seqlen_k, 6, 2, 24)
+    mask = band_mask(seqlen_q, seqlen_k, causal, window)
+    expected_out, expected_lse = naive_attention(q, k, v, 0.37, mask)
+    out, lse = attention_ref(q, k, v, softmax_scale=0.37, causal=causal, window_size=window)
+    torch.testing.assert_close(out, expected_out, atol=1e-12, rtol=0)
+    assert_lse_equal(lse, expected_lse, atol=1e-12)
+    blind = ~mask.any(-1)  # rows that see no key: out exactly 0, lse -inf
+    assert (out[:, blind] == 0).all() and (lse[:, :, blind] == -math.inf).all()
+    # The low-precision baseline and the differentiable reference apply the same mask.
+    torch.testing.assert_close(attention_lowp(q.bfloat16(), k.bfloat16(), v.bfloat16(), softmax_scale=0.37,
+                                              causal=causal, window_size=window).double(), expected_out,
+                               atol=3e-2, rtol=0)
+    out_ag, lse_ag = reference.attention_autograd(q, k, v, softmax_scale=0.37, causal=causal, window_size=window)
+    torch.testing.assert_close(out_ag, expected_out, atol=1e-12, rtol=0)
+    assert_lse_equal(lse_ag, expected_lse, atol=1e-12)
+
+
+def test_visible_is_the_band_rule():
+    rows, cols = torch.arange(13), torch.arange(16)  # 16 columns for 11 keys: the padding is never visible
+    for causal, window in [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 3)), (True, (4, 0)), (False, (-1, 0)),
+                           (False, (0, -1))]:
+        got = reference._visible(rows, cols, 13, 11, causal, window)
+        expected = torch.zeros(13, 16, dtype=torch.bool)
+        expected[:, :11] = band_mask(13, 11, causal, window)
+        assert torch.equal(got, expected), (causal, window)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(40, 30), (30, 40), (1, 1)])
+def test_window_defaults_and_causal_band_are_bitwise_identical(seqlen_q, seqlen_k):
+    """window (-1, -1) is no window; causal is the window (-1, 0); causal with (L, -1) is (L, 0)."""
+    q, k, v = make_qkv(13, 2, seqlen_q, seqlen_k, 4, 2, 16)
+    lowp = [t.bfloat16() for t in (q, k, v)]
+
+    def same(a, b):
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(x, y)
+
+    for causal in (False, True):
+        same(attention_ref(q, k, v, causal=causal, window_size=(-1, -1), softcap=0.0), attention_ref(q, k, v, causal=causal))
+        same(attention_lowp(*lowp, causal=causal, window_size=[-1, -1]), attention_lowp(*lowp, causal=causal))
+        same(reference.attention_autograd(q, k, v, causal=causal, window_size=(-1, -1)),
+             reference.attention_autograd(q, k, v, causal=causal))
+    same(attention_ref(q, k, v, window_size=(-1, 0)), attention_ref(q, k, v, causal=True))
+    same(attention_lowp(*lowp, window_size=(-1, 0)), attention_lowp(*lowp, causal=True))
+    same(reference.attention_autograd(q, k, v, window_size=(-1, 0)), reference.attention_autograd(q, k, v, causal=True))
+    same(attention_ref(q, k, v, causal=True, window_size=(5, -1)), attention_ref(q, k, v, window_size=(5, 0)))
+    same(attention_ref(q, k, v, causal=True, window_size=(5, 0)), attention_ref(q, k, v, window_size=(5, 0)))
+
+
+@pytest.mark.parametrize("bad,causal", [((-2, 0), False), ((0, -5), False), ((-1, 5), True), ((3, 1), True), ((1,), False)])
+def test_ref_rejects_windows_the_ops_reject(bad, causal):
+    q, k, v = make_qkv(14, 1, 8, 8, 2, 2, 16)
+    for fn in (attention_ref, reference.attention_autograd):
+        with pytest.raises(ValueError, match="window_size"):
+            fn(q, k, v, causal=causal, window_size=bad)
+
+
+@pytest.mark.parametrize("softcap", [-1.0, math.inf, math.nan])
+def test_ref_rejects_bad_softcap(softcap):
+    q, k, v = make_qkv(15, 1, 8, 8, 2, 2, 16)
+    with pytest.raises(ValueError, match="softcap"):
+        attention_ref(q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 2)), (True, (3, 0))])
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 30.0])
+def test_ref_softcap_matches_hand_written(softcap, causal, window):
+    q, k, v = make_qkv(16, 2, 37, 29, 4, 2, 32)
+    q = q * 3  # scores of a few units: softcap 0.5 and 5 really cap, 30 barely
+    mask = band_mask(37, 29, causal, window)
+    expected_out, expected_lse = naive_attention(q, k, v, 0.2, mask, softcap=softcap)
+    out, lse = attention_ref(q, k, v, softmax_scale=0.2, causal=causal, window_size=window, softcap=softcap)
+    torch.testing.assert_close(out, expected_out, atol=1e-12, rtol=0)
+    assert_lse_equal(lse, expected_lse, atol=1e-12)
+    # The capped logits are bounded by c, so the lse of a row is at most c + log(number of visible keys).
+    finite = torch.isfinite(lse)
+    assert (lse[finite] <= softcap + torch.log(mask.sum(-1).double()).expand_as(lse)[finite] + 1e-12).all()
+    uncapped, _ = attention_ref(q, k, v, softmax_scale=0.2, causal=causal, window_size=window)
+    assert not torch.allclose(out, uncapped, atol=1e-6)
+    out_ag, lse_ag = reference.attention_autograd(q, k, v, softmax_scale=0.2, causal=causal, window_size=window,
+                                                  softcap=softcap)
+    torch.testing.assert_close(out_ag, expected_out, atol=1e-12, rtol=0)
+    assert_lse_equal(lse_ag, expected_lse, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_lowp_softcap_rounds_in_the_input_dtype(dtype):
+    """attention_lowp caps the low-precision scores in their own dtype, then the float32 softmax: close to
+    the float64 reference, and exactly the hand-written PyTorch computation in that dtype."""
+    q, k, v = make_qkv(17, 1, 50, 70, 2, 2, 64, dtype=dtype)
+    q = q * 4
+    out = attention_lowp(q, k, v, softmax_scale=0.125, causal=True, window_size=(20, 0), softcap=5.0)
+    assert out.dtype == dtype
+    ref, _ = attention_ref(q, k, v, softmax_scale=0.125, causal=True, window_size=(20, 0), softcap=5.0)
+    torch.testing.assert_close(out.double(), ref, atol=3e-2 if dtype == torch.bfloat16 else 5e-3, rtol=0)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    scores = torch.matmul(qh * 0.125, kh.transpose(-1, -2))
+    scores = torch.tanh(scores / 5.0) * 5.0  # in `dtype`
+    scores = scores.float().masked_fill(~band_mask(50, 70, True, (20, 0)), -math.inf)
+    expected = torch.matmul(torch.softmax(scores, dim=-1).to(dtype), vh).transpose(1, 2)
+    assert torch.equal(out, expected)
+
+
+def _autograd_formula(q, k, v, scale, mask, softcap):
+    """The float64 formula written independently of attention_autograd (finite fill, zeroed blind rows)."""
+    group = q.shape[2] // k.shape[2]
+    kx, vx = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kx) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, -1e30)
+    probs = torch.softmax(scores, dim=-1) * mask.any(-1)[:, None].double()
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vx)
+
+
+@pytest.mark.parametrize("causal,window,softcap", [
+    (False, (4, 6), 0.0),
+    (True, (7, 0), 0.0),
+    (False, (-1, -1), 2.0),
+    (True, (-1, -1), 30.0),
+    (False, (0, 3), 1.5),
+    (True, (5, -1), 5.0),
+])
+def test_autograd_window_softcap_gradients(causal, window, softcap):
+    # seqlen_q > seqlen_k: with these windows some rows see no key, and their gradients must be 0, not NaN.
+    q, k, v = make_qkv(18, 2, 31, 23, 6, 2, 16)
+    q = q * 2
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(19), dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = reference.attention_autograd(*leaves, softmax_scale=0.3, causal=causal, window_size=window,
+                                            softcap=softcap)
+    grads = torch.autograd.grad(out, leaves, dout)
+    leaves2 = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    mask = band_mask(31, 23, causal, window)
+    expected = _autograd_formula(*leaves2, 0.3, mask, softcap)
+    expected_grads = torch.autograd.grad(expected, leaves2, dout)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    for g, e in zip(grads, expected_grads):
+        assert_no_nan(g)
+        torch.testing.assert_close(g, e, atol=1e-11, rtol=0)
+    # The low-precision baseline of the backward: same structure, close to float64.
+    low = [t.bfloat16().requires_grad_(True) for t in (q, k, v)]
+    out_low, _ = reference.attention_autograd(*low, softmax_scale=0.3, causal=causal, window_size=window,
+                                              softcap=softcap, upcast=False)
+    grads_low = torch.autograd.grad(out_low, low, dout.bfloat16())
+    for g, e in zip(grads_low, expected_grads):
+        assert_no_nan(g)
+        torch.testing.assert_close(g.double(), e, atol=0.15, rtol=0.05)
+    blind = ~mask.any(-1)  # seqlen_q > seqlen_k: every masked case here has rows whose band ends before key 0
+    assert bool(blind.any()) == (causal or window != (-1, -1))
+    assert (grads[0][:, blind] == 0).all()
+
+
+def test_fp8_emulation_window_and_softcap():
+    """One visible key per row (window (0, 0), sq == sk): P = 2^max_offset exactly, so the emulation is exact
+    whatever the softcap; with a wider band it stays close to the float64 reference of the dequantized inputs."""
+    E4M3 = torch.float8_e4m3fn
+    gen = torch.Generator().manual_seed(20)
+    q8, k8, v8 = (torch.randn(1, 24, 2, 64, generator=gen).to(E4M3) for _ in range(3))
+    qd, kd, vd = (torch.rand(1, 2, generator=gen) * 0.5 + 0.25 for _ in range(3))
+    emu = reference.attention_fp8_emulation(q8, k8, v8, qd, kd, vd, window_size=(0, 0), softcap=3.0)
+    assert torch.allclose(emu, v8.double() * vd.double()[:, None, :, None], atol=1e-12, rtol=0)
+    deq = [x.double() * d.double()[:, None, :, None] for x, d in ((q8, qd), (k8, kd), (v8, vd))]
+    for causal, window, softcap in [(True, (5, 0), 0.0), (False, (3, 2), 2.0), (True, (-1, -1), 1.0)]:
+        emu = reference.attention_fp8_emulation(q8, k8, v8, qd, kd, vd, causal=causal, window_size=window,
+                                                softcap=softcap)
+        ref, _ = attention_ref(*deq, causal=causal, window_size=window, softcap=softcap)
+        torch.testing.assert_close(emu, ref, atol=0.05, rtol=0)
+        plain = reference.attention_fp8_emulation(q8, k8, v8, qd, kd, vd, causal=causal)
+        assert not torch.allclose(emu, plain, atol=1e-6)

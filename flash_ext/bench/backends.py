@@ -2,8 +2,13 @@
 
 A backend gives the runner two closures built OUTSIDE the timed region: fn() launches exactly the timed
 work, and post(fn's result) returns (b, s, h, d) tensors for the check: the output (fwd) or dq, dk, dv (bwd).
+
+A shape may carry a sliding window and a softcap (--window, --softcap): flash_ext and FA3 run them; SDPA
+and Flex are skipped with the reason; flash_ext's comparison columns (flash_ext_no_window,
+flash_ext_no_softcap) run the same shape without one of them (Backend.problem).
 """
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 
@@ -32,6 +37,11 @@ class Backend:
 
     def check_available(self):
         return None
+
+    def problem(self, shape):
+        """The shape this backend actually computes for a row of the table: the row's own, except for the
+        comparison columns that drop its window or softcap (their FLOPs and reference are this one's)."""
+        return shape
 
     def refuse(self, shape, mode):
         """(status, reason) when it does not run this shape/mode, known without running; else None."""
@@ -78,6 +88,25 @@ def flash_ext_has_backward():
     return flash_ext.extension_available() and flash_ext.build_info()["backward"]
 
 
+def _kernel_mask(shape):
+    """(the kernel table's causal flag, its name) of the kernel a shape runs on: a window runs on the causal
+    kernel (which computes any band; a window as wide as the sequences falls back to the non-causal one,
+    which the op then asks for itself)."""
+    if shape.has_window():
+        return True, "causal (it runs sliding windows)"
+    return shape.causal, "causal" if shape.causal else "non-causal"
+
+
+def _refuse_window_softcap(shape, what):
+    """The refusal of a backend that has neither a sliding window nor a softcap."""
+    if shape.has_window():
+        return SKIPPED, (f"{what} has no sliding window (--window {shape.window_left},{shape.window_right}); "
+                         "flash_ext (no window) is the same attention without it")
+    if shape.softcap:
+        return SKIPPED, f"{what} has no softcap (--softcap {shape.softcap:g}); flash_ext (no softcap) runs without it"
+    return None
+
+
 class FlashExtBackend(Backend):
     key = "flash_ext"
 
@@ -105,26 +134,60 @@ class FlashExtBackend(Backend):
             headdim = flash_ext.kernel_headdim(shape.headdim, mode)  # d192's backward runs on the d256 kernel
         except ValueError as e:
             return SKIPPED, str(e)
-        if not flash_ext.has_kernel(mode, headdim, dtype, shape.causal, info=self.info):
-            mask = "causal" if shape.causal else "non-causal"
+        kernel_causal, mask = _kernel_mask(shape)
+        if not flash_ext.has_kernel(mode, headdim, dtype, kernel_causal, info=self.info):
             return SKIPPED, f"no {mode} kernel for d{headdim} {dtype} {mask} in this flash_ext build"
         return None
 
     def make_fwd(self, q, k, v, shape, scale):
+        extra = shape.window_softcap_kwargs()
+
         def fn():
-            return flash_ext.forward(q, k, v, softmax_scale=scale, causal=shape.causal)
+            return flash_ext.forward(q, k, v, softmax_scale=scale, causal=shape.causal, **extra)
 
         return fn, lambda res: res[0]
 
     def make_bwd(self, q, k, v, dout, shape, scale):
-        out, lse = flash_ext.forward(q, k, v, softmax_scale=scale, causal=shape.causal)
+        extra = shape.window_softcap_kwargs()
+        out, lse = flash_ext.forward(q, k, v, softmax_scale=scale, causal=shape.causal, **extra)
 
         def fn():
             return flash_ext.backward(
-                dout, q, k, v, out, lse, softmax_scale=scale, causal=shape.causal, deterministic=self.cfg.deterministic
+                dout, q, k, v, out, lse, softmax_scale=scale, causal=shape.causal, deterministic=self.cfg.deterministic,
+                **extra
             )
 
         return fn, tuple
+
+
+class FlashExtNoWindowBackend(FlashExtBackend):
+    """flash_ext on the same inputs without the row's window (its softcap kept), so that one table gives the
+    window's effect: its TFLOP/s count the pairs it computes (the whole causal or full attention). Runs only
+    with --window."""
+
+    key = "flash_ext_no_window"
+
+    def problem(self, shape):
+        return dataclasses.replace(shape, window_left=-1, window_right=-1)
+
+    def refuse(self, shape, mode):
+        if not shape.has_window():
+            return SKIPPED, "the comparison column of --window runs"
+        return super().refuse(self.problem(shape), mode)
+
+
+class FlashExtNoSoftcapBackend(FlashExtBackend):
+    """flash_ext on the same inputs without the row's softcap (its window kept). Runs only with --softcap."""
+
+    key = "flash_ext_no_softcap"
+
+    def problem(self, shape):
+        return dataclasses.replace(shape, softcap=0.0)
+
+    def refuse(self, shape, mode):
+        if not shape.softcap:
+            return SKIPPED, "the comparison column of --softcap runs"
+        return super().refuse(self.problem(shape), mode)
 
 
 class FlashExtBf16Backend(FlashExtBackend):
@@ -138,7 +201,7 @@ class FlashExtBf16Backend(FlashExtBackend):
             return SKIPPED, "the bf16 yardstick of --dtype fp8 runs"
         if mode == "bwd":
             return NA, "FP8 is forward-only"
-        if not flash_ext.has_kernel("fwd", shape.headdim, "bf16", shape.causal, info=self.info):
+        if not flash_ext.has_kernel("fwd", shape.headdim, "bf16", _kernel_mask(shape)[0], info=self.info):
             return SKIPPED, "no bf16 forward kernel for this shape in this flash_ext build"
         return None
 
@@ -172,7 +235,8 @@ class FA3Backend(Backend):
         return flash_attn_interface.flash_attn_func
 
     def call(self, q, k, v, shape, scale, state):
-        return state(q, k, v, softmax_scale=scale, causal=shape.causal)
+        # FA3 takes window_size and softcap with flash_ext's meaning (for the windows the CLI allows).
+        return state(q, k, v, softmax_scale=scale, causal=shape.causal, **shape.window_softcap_kwargs())
 
 
 class SDPABackend(Backend):
@@ -183,7 +247,9 @@ class SDPABackend(Backend):
     def refuse(self, shape, mode):
         if self.cfg.dtype == "fp8":
             return SKIPPED, "SDPA has no fp8 attention"
-        return None
+        # A window could be an explicit boolean attn_mask for math / mem-eff only, timing a dense masked
+        # kernel rather than a band; a softcap cannot be expressed at all.
+        return _refuse_window_softcap(shape, "SDPA")
 
     def context(self):
         return sdpa_kernel(self.sdp_backend)
@@ -256,6 +322,9 @@ class FlexBackend(Backend):
     def refuse(self, shape, mode):
         if self.cfg.dtype == "fp8":
             return SKIPPED, "FlexAttention has no fp8 path"
+        if shape.has_window() or shape.softcap:
+            return SKIPPED, ("--window / --softcap are not wired into this benchmark's FlexAttention (its block mask "
+                             "and score_mod)")
         return None
 
     def prepare(self, shape, scale, device):
@@ -276,8 +345,8 @@ class FlexBackend(Backend):
 
 BACKENDS = {
     b.key: b
-    for b in (FlashExtBackend, FlashExtBf16Backend, FA3Backend, SDPACudnn, SDPAFlash, SDPAEfficient, SDPAMath,
-              FlexBackend)
+    for b in (FlashExtBackend, FlashExtNoWindowBackend, FlashExtNoSoftcapBackend, FlashExtBf16Backend, FA3Backend,
+              SDPACudnn, SDPAFlash, SDPAEfficient, SDPAMath, FlexBackend)
 }
 
 

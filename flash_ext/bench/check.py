@@ -2,7 +2,8 @@
 
 The slice is batch 0, the first REF_HEADS query heads (and the kv heads they read) and all query rows,
 unless its score matrix would exceed REF_MAX_ELEMS elements: then the last rows, since a tail of queries
-with all keys is itself a bottom-right-aligned causal problem, so the mask stays exact.
+with all keys is itself a bottom-right-aligned problem with the same band (causal, window), so the mask
+stays exact. The shape's window and softcap apply to the reference and the baseline.
 """
 import dataclasses
 import math
@@ -71,11 +72,12 @@ class SliceRef:
         return t[0:1, :, : self.hkv]
 
 
-def _grads(q, k, v, dout, scale, causal, dtype):
+def _grads(q, k, v, dout, scale, shape, dtype):
     """{dq, dk, dv} of attention_autograd run in `dtype`: float64 is the reference, else the baseline."""
     # Leaves in `dtype` itself: a float64 gradient flowing into a 16-bit leaf would be rounded.
     leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
-    out, _ = attention_autograd(*leaves, softmax_scale=scale, causal=causal, upcast=dtype == torch.float64)
+    out, _ = attention_autograd(*leaves, softmax_scale=scale, causal=shape.causal, upcast=dtype == torch.float64,
+                                window_size=shape.window, softcap=shape.softcap)
     return dict(zip(GRAD_NAMES, torch.autograd.grad(out, leaves, dout.to(dtype))))
 
 
@@ -93,13 +95,14 @@ def build_reference(q, k, v, dout, shape, scale, dtype_name, need_bwd):
     qs = ref.q_slice(q).to(work).contiguous()
     ks = ref.kv_slice(k).to(work).contiguous()
     vs = ref.kv_slice(v).to(work).contiguous()
-    ref.out, _ = attention_ref(qs, ks, vs, softmax_scale=scale, causal=shape.causal)
-    baseline_err = max_abs_err(attention_lowp(qs, ks, vs, softmax_scale=scale, causal=shape.causal), ref.out)
+    mask = dict(causal=shape.causal, window_size=shape.window, softcap=shape.softcap)
+    ref.out, _ = attention_ref(qs, ks, vs, softmax_scale=scale, **mask)
+    baseline_err = max_abs_err(attention_lowp(qs, ks, vs, softmax_scale=scale, **mask), ref.out)
     ref.tol_out = tolerance(dtype_name, baseline_err, float(ref.out.abs().max()))
     if need_bwd:
         dos = ref.q_slice(dout).to(work).contiguous()
-        g64 = _grads(qs, ks, vs, dos, scale, shape.causal, torch.float64)
-        glow = _grads(qs, ks, vs, dos, scale, shape.causal, work)
+        g64 = _grads(qs, ks, vs, dos, scale, shape, torch.float64)
+        glow = _grads(qs, ks, vs, dos, scale, shape, work)
         # dk/dv of a kv head sum over every query row of every query head that reads it: checkable only
         # when all of those are in the slice.
         names = GRAD_NAMES if nrows == sq and hq == hkv * group else ("dq",)

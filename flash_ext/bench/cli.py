@@ -1,6 +1,7 @@
 """The command line of `python -m flash_ext.benchmark`: options, the grid of shapes, and main."""
 import argparse
 import datetime
+import math
 import os
 import sys
 import time
@@ -16,7 +17,7 @@ from .progress import Progress
 from .records import backend_name, order_backends
 from .report import MODE_TITLES, format_metric_table, format_table, modes_in
 from .runner import DTYPES, RunConfig, run_benchmark
-from .shapes import Shape, attention_flops
+from .shapes import NO_WINDOW, Shape, attention_flops
 from .timing import cpu_timer, cuda_peak_mib, make_do_bench_timer
 
 DEFAULT_HEADDIMS = (64, 128, 256)
@@ -25,8 +26,10 @@ QUICK_HEADDIMS = (128,)
 QUICK_SEQLENS = (1024, 8192)
 DEFAULT_TOKENS = 16384  # batch * seqlen
 DEFAULT_HIDDEN = 2048  # nheads * headdim
-# flex compiles once per shape: opt-in; the bf16 yardstick only for fp8 runs.
-DEFAULT_BACKENDS = tuple(k for k in BACKENDS if k not in ("flex", "flash_ext_bf16"))
+# flex compiles once per shape: opt-in; the bf16 yardstick only for fp8 runs; the comparison columns only with
+# --window / --softcap.
+DEFAULT_BACKENDS = tuple(k for k in BACKENDS
+                         if k not in ("flex", "flash_ext_bf16", "flash_ext_no_window", "flash_ext_no_softcap"))
 
 
 def parse_int_list(text):
@@ -51,6 +54,30 @@ def parse_int_list(text):
 def _positive_int(text):
     (n,) = parse_int_list(text)
     return n
+
+
+def parse_window(text):
+    """'256,0' -> (256, 0): --window's LEFT,RIGHT, each -1 (unbounded) or >= 0."""
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:  # not two items, or not integers
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not LEFT,RIGHT: two integers, each -1 (unbounded) or >= 0, e.g. 256,0") from None
+    if left < -1 or right < -1:
+        raise argparse.ArgumentTypeError(f"{text!r}: each bound must be -1 (unbounded) or >= 0")
+    return left, right
+
+
+def parse_softcap(text):
+    """--softcap's C: a finite number >= 0 (0 = off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the softcap must be a finite number >= 0 (0 = off)")
+    return value
 
 
 def _backend_list(text):
@@ -93,6 +120,15 @@ def build_parser():
     s.add_argument("--headdim", type=_positive_int, default=None, help="one head dim (overrides --headdims)")
     s.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS, help="batch * seqlen (default 16384)")
     s.add_argument("--hidden", type=_positive_int, default=DEFAULT_HIDDEN, help="nheads * headdim (default 2048)")
+    a = p.add_argument_group(
+        "attention variant (flash_ext and FA3 run it; SDPA and Flex are skipped with the reason; flash_ext is also "
+        "timed without it, as the column 'flash_ext (no window)' / 'flash_ext (no softcap)')")
+    a.add_argument("--window", type=parse_window, default=None, metavar="LEFT,RIGHT",
+                   help="sliding window: query i sees keys i + sk - sq - LEFT .. i + sk - sq + RIGHT (-1 = unbounded; "
+                   "write --window=-1,100 when LEFT is -1). Causal shapes need RIGHT -1 or 0 (use --causal no "
+                   "otherwise). TFLOP/s count the exact number of visible (query, key) pairs")
+    a.add_argument("--softcap", type=parse_softcap, default=0.0, metavar="C",
+                   help="logits c * tanh(scale * q.k / c) (Gemma 2); 0 (default) = off")
     t = p.add_argument_group("timing and checks")
     t.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up time in ms (default 25)")
     t.add_argument("--repeat-ms", type=float, default=100.0, help="do_bench measuring time in ms (default 100)")
@@ -116,6 +152,10 @@ def build_grid(args):
     headdims = [args.headdim] if args.headdim else (args.headdims or (QUICK_HEADDIMS if args.quick else DEFAULT_HEADDIMS))
     seqlens = [args.seqlen_q] if args.seqlen_q else (args.seqlens or (QUICK_SEQLENS if args.quick else DEFAULT_SEQLENS))
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    window = args.window or NO_WINDOW
+    if window[1] > 0 and True in causals:
+        raise ValueError(f"--window {window[0]},{window[1]}: causal attention is the band with right = 0, so a right "
+                         "bound > 0 needs --causal no")
     shapes = []
     for d in dict.fromkeys(headdims):
         nheads = args.nheads or max(1, args.hidden // d)
@@ -127,7 +167,8 @@ def build_grid(args):
         for causal in causals:
             for sq in dict.fromkeys(seqlens):
                 batch = args.batch or max(1, args.tokens // sq)
-                shapes.append(Shape(batch, sq, args.seqlen_k or sq, nheads, nheads_kv, d, causal))
+                shapes.append(Shape(batch, sq, args.seqlen_k or sq, nheads, nheads_kv, d, causal,
+                                    window_left=window[0], window_right=window[1], softcap=args.softcap))
     return shapes
 
 
@@ -142,11 +183,20 @@ def resolve_modes(mode, dtype="bf16"):
     return {"fwd": ["fwd"], "bwd": ["bwd"], "both": ["fwd", "bwd"]}[mode]
 
 
+def _has_window(args):
+    return args.window is not None and tuple(args.window) != NO_WINDOW
+
+
 def select_backends(args):
-    """Backend keys to run, in table order. FA3 joins the default set only when it is importable."""
+    """Backend keys to run, in table order. FA3 joins the default set only when it is importable; with
+    --window / --softcap, flash_ext without them joins as the comparison column."""
     keys = list(args.backends or (k for k in DEFAULT_BACKENDS if k != "fa3" or fa3_importable()))
     if args.backends is None and args.dtype == "fp8":
         keys.insert(1, "flash_ext_bf16")
+    if args.backends is None and _has_window(args):
+        keys.insert(1, "flash_ext_no_window")
+    if args.backends is None and args.softcap:
+        keys.insert(1, "flash_ext_no_softcap")
     if args.flex:
         keys.append("flex")
     return order_backends(keys)
@@ -169,19 +219,34 @@ def _deterministic_note(args, modes):
     return ", flash_ext deterministic" if args.deterministic and "bwd" in modes else ""
 
 
+def _variant_note(args):
+    """', window (256, 0), softcap 30' for the options that are on, else ''."""
+    note = f", window ({args.window[0]}, {args.window[1]})" if _has_window(args) else ""
+    return note + (f", softcap {args.softcap:g}" if args.softcap else "")
+
+
 def format_dry_run(shapes, modes, backend_keys, args):
     lines = [
         f"flash_ext benchmark (dry run): modes {'+'.join(modes)}, "
-        f"dtype {args.dtype}{_deterministic_note(args, modes)}, {len(shapes)} shape(s), "
+        f"dtype {args.dtype}{_deterministic_note(args, modes)}{_variant_note(args)}, {len(shapes)} shape(s), "
         f"backends {', '.join(backend_name(k) for k in backend_keys)}",
         f"timing: do_bench warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms, median; output folder {args.out}",
-        f"{'#':>3}  {'shape':<24} {'batch':>5} {'seqlen_q':>8} {'seqlen_k':>8} {'nheads':>6} {'nheads_kv':>9} "
+    ]
+    if _variant_note(args):
+        columns = [backend_name(k) for k in ("flash_ext_no_window", "flash_ext_no_softcap") if k in backend_keys]
+        lines.append(
+            f"attention variant: {_variant_note(args)[2:]}: run by flash_ext and FA3, SDPA and Flex skipped (they have "
+            "no window / softcap)" + (f"; flash_ext is also timed without it ({', '.join(columns)})" if columns else "")
+            + ("; GFLOP count only the visible (query, key) pairs" if _has_window(args) else ""))
+    width = max([24] + [len(s.label()) for s in shapes])
+    lines += [
+        f"{'#':>3}  {'shape':<{width}} {'batch':>5} {'seqlen_q':>8} {'seqlen_k':>8} {'nheads':>6} {'nheads_kv':>9} "
         f"{'headdim':>7} {'causal':>6} " + " ".join(f"{'GFLOP ' + m:>11}" for m in modes),
     ]
     for i, s in enumerate(shapes, 1):
         fl = " ".join(f"{attention_flops(s, m) / 1e9:>11.1f}" for m in modes)
         lines.append(
-            f"{i:>3}  {s.label():<24} {s.batch:>5} {s.seqlen_q:>8} {s.seqlen_k:>8} {s.nheads:>6} {s.nheads_kv:>9} "
+            f"{i:>3}  {s.label():<{width}} {s.batch:>5} {s.seqlen_q:>8} {s.seqlen_k:>8} {s.nheads:>6} {s.nheads_kv:>9} "
             f"{s.headdim:>7} {str(s.causal):>6} {fl}"
         )
     return "\n".join(lines)
@@ -195,7 +260,8 @@ def table_title(mode, env, args):
     elif env.get("sm_clock_mhz"):
         clock = f", SM clock {env['sm_clock_mhz']} MHz at the start"
     return (
-        f"== {MODE_TITLES[mode]} | {args.dtype}{_deterministic_note(args, [mode])} | {gpu}{clock} | TFLOP/s, median of "
+        f"== {MODE_TITLES[mode]} | {args.dtype}{_deterministic_note(args, [mode])}{_variant_note(args)} | {gpu}{clock} | "
+        "TFLOP/s, median of "
         f"do_bench (warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms) =="
     )
 

@@ -5,7 +5,7 @@ import os
 
 from .env import ENV_KEYS
 from .records import Record
-from .report import best_sdpa, geomean, modes_in, ratio_to, rows_for_mode
+from .report import best_sdpa, geomean, modes_in, ratio_to, rows_for_mode, time_ratio
 
 SCHEMA = "flash_ext.benchmark/1"
 _FLOAT_FIELDS = ("ms", "tflops", "max_err", "tol", "diff_vs_flash_ext", "peak_mib")
@@ -36,6 +36,9 @@ def summary(records):
                     "best_sdpa_tflops": best,
                     "flash_ext_over_best_sdpa": ratio_to(row),
                     "flash_ext_over_fa3": ratio_to(row, against="fa3"),
+                    # flash_ext's time over its comparison columns' (--window / --softcap runs), else None
+                    "flash_ext_time_over_no_window": time_ratio(row, against="flash_ext_no_window"),
+                    "flash_ext_time_over_no_softcap": time_ratio(row, against="flash_ext_no_softcap"),
                 }
             )
         out[mode] = {"rows": rows, "geomean_flash_ext_over_best_sdpa": geomean(r["flash_ext_over_best_sdpa"] for r in rows)}
@@ -50,7 +53,7 @@ def build_document(env, config, records, created=None, command=None):
         "env": {**dict.fromkeys(ENV_KEYS), **(env or {})},
         "config": config,
         "flop_convention": "forward 4*b*h*sq*sk*d; causal: half when sq == sk, else 4*b*h*d*(bottom-right "
-        "unmasked pairs); backward 2.5x forward",
+        "unmasked pairs); with a sliding window: 4*b*h*d*(exact visible pairs of the band); backward 2.5x forward",
         "results": [r.to_dict() for r in records],
         "summary": summary(records),
     }

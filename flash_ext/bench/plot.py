@@ -9,6 +9,8 @@ from .report import MODE_TITLES, rows_for_mode
 
 BACKEND_COLORS = {  # fixed per backend, so every panel and every run uses the same colour
     "flash_ext": "#d62728",  # red: ours
+    "flash_ext_no_window": "#ff9896",  # light red: ours without --window / --softcap
+    "flash_ext_no_softcap": "#e377c2",
     "fa3": "#9467bd",
     "sdpa_cudnn": "#2ca02c",
     "sdpa_flash": "#1f77b4",

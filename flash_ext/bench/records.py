@@ -7,6 +7,8 @@ from .shapes import Shape
 # Backend key -> display name, in table column order.
 BACKEND_NAMES = {
     "flash_ext": "flash_ext",
+    "flash_ext_no_window": "flash_ext (no window)",
+    "flash_ext_no_softcap": "flash_ext (no softcap)",
     "flash_ext_bf16": "flash_ext bf16",
     "fa3": "FA3",
     "sdpa_cudnn": "SDPA cuDNN",

@@ -46,6 +46,20 @@ def ratio_to(row, key="flash_ext", against=None):
     return mine.tflops / ref if ref else None
 
 
+def time_ratio(row, key="flash_ext", against="flash_ext_no_window"):
+    """key's time over against's (ms / ms): below 1 when key is faster; None if either is missing. For the
+    comparison columns, whose FLOP counts differ from flash_ext's (a window computes fewer pairs), this is the
+    speed-up a TFLOP/s ratio would not show."""
+    mine, other = row.get(key), row.get(against)
+    if not (_timed(mine) and _timed(other)):
+        return None
+    return mine.ms / other.ms
+
+
+# Comparison column -> the header of flash_ext's time ratio to it.
+TIME_RATIO_HEADERS = {"flash_ext_no_window": "t/t(no window)", "flash_ext_no_softcap": "t/t(no softcap)"}
+
+
 def geomean(values):
     values = [v for v in values if v is not None and v > 0]
     if not values:
@@ -74,11 +88,13 @@ def format_table(records, mode, backends=None, title=None):
     backends = list(backends or order_backends(r.backend for r in records if r.mode == mode))
     have_fa3 = "fa3" in backends and any(_timed(row.get("fa3")) for _, row in rows)
     have_bf16 = "flash_ext_bf16" in backends and any(_timed(row.get("flash_ext_bf16")) for _, row in rows)
+    time_ratios = [k for k in TIME_RATIO_HEADERS if k in backends and any(_timed(row.get(k)) for _, row in rows)]
     header = ["shape"] + [backend_name(k) for k in backends] + ["best SDPA", "ext/SDPA"]
     if have_bf16:
         header.append("fp8/bf16")
     if have_fa3:
         header.append("ext/FA3")
+    header += [TIME_RATIO_HEADERS[k] for k in time_ratios]
     notes = {}  # (backend, reason) -> footnote number
     unchecked = False
     body = []
@@ -105,6 +121,9 @@ def format_table(records, mode, backends=None, title=None):
         if have_fa3:
             r3 = ratio_to(row, against="fa3")
             line.append(f"{r3:.2f}x" if r3 is not None else "-")
+        for key in time_ratios:
+            rt = time_ratio(row, against=key)
+            line.append(f"{rt:.2f}" if rt is not None else "-")
         body.append(line)
     out = ([title] if title else []) + _aligned(header, body)
     if not body:
@@ -113,11 +132,16 @@ def format_table(records, mode, backends=None, title=None):
     if g is not None:
         n = sum(1 for r in ratios if r is not None)
         out.append(f"geomean flash_ext / best SDPA over {n} shape(s): {g:.2f}x")
+    windowed = any(shape.has_window() for shape, _ in rows)
     out.append(
         "TFLOP/s (higher is better): "
         + ("forward 4*b*h*sq*sk*d, halved for causal sq == sk" if mode == "fwd" else "backward 2.5x the forward FLOPs")
+        + ("; with a window (w) 4*b*h*d*(visible (query, key) pairs), exactly" if windowed else "")
         + "; ext/SDPA = flash_ext over the fastest correct SDPA backend"
-        + ("; fp8/bf16 = flash_ext fp8 over its own bf16 forward on the same inputs." if have_bf16 else ".")
+        + ("; fp8/bf16 = flash_ext fp8 over its own bf16 forward on the same inputs" if have_bf16 else "")
+        + "".join(f"; {TIME_RATIO_HEADERS[k]} = flash_ext's time over {backend_name(k)}'s (below 1: faster)"
+                  for k in time_ratios)
+        + "."
     )
     if unchecked:
         out.append("* timed without a correctness check (the float64 reference could not run on this shape)")

@@ -94,7 +94,7 @@ def make_inputs(shape, dtype, device, scale, seed, need_dout):
 
 def _measure(backend, rec, q, k, v, dout, scale, ref, device, timer, peak_fn, ext):
     """Build fn, run it once, check it, then measure its peak memory and time; fills rec."""
-    shape, mode = rec.shape, rec.mode
+    shape, mode = backend.problem(rec.shape), rec.mode
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -134,10 +134,12 @@ def _measure(backend, rec, q, k, v, dout, scale, ref, device, timer, peak_fn, ex
 
 
 def run_backend(backend, mode, q, k, v, dout, shape, scale, ref, device, timer, peak_fn, ext):
-    """One backend, one mode, one shape -> Record. Raises only FatalDeviceError.
+    """One backend, one mode, one shape (a row of the table) -> Record. Raises only FatalDeviceError.
 
-    ext: a dict shared by the backends of one shape and mode (flash_ext's checked slice)."""
-    rec = Record(shape=shape, mode=mode, backend=backend.key, flops=attention_flops(shape, mode))
+    The backend computes backend.problem(shape) (the row's shape, or it without its window or softcap for
+    flash_ext's comparison columns): its FLOPs count, and ref is its reference. ext: a dict shared by the
+    backends of one problem and mode (flash_ext's checked slice)."""
+    rec = Record(shape=shape, mode=mode, backend=backend.key, flops=attention_flops(backend.problem(shape), mode))
     if backend.unavailable:
         rec.status, rec.reason = SKIPPED, backend.unavailable
         return rec
@@ -176,27 +178,32 @@ def run_shape(shape, shape_idx, modes, backends, cfg, device, timer, peak_fn, pr
     records = []
     scale = 1.0 / math.sqrt(shape.headdim)
     need_bwd = "bwd" in modes
+    problems = {be.key: be.problem(shape) for be in backends}
     try:
         q, k, v, dout = make_inputs(shape, DTYPES[cfg.dtype], device, cfg.input_scale, cfg.seed + shape_idx, need_bwd)
     except torch.OutOfMemoryError as e:
         for mode in modes:
             for be in backends:
                 records.append(Record(shape, mode, be.key, status=OOM, reason=f"inputs do not fit: {describe(e)}",
-                                      flops=attention_flops(shape, mode)))
+                                      flops=attention_flops(problems[be.key], mode)))
                 progress.step()
         return records
-    ref, ref_note = _reference(q, k, v, dout, shape, scale, cfg, need_bwd)
-    if ref is None:
-        free(device)
+    refs = {}  # problem -> (reference or None, note): the row's own first, then those of comparison columns
+    for problem in dict.fromkeys([shape, *problems.values()]):
+        refs[problem] = _reference(q, k, v, dout, problem, scale, cfg, need_bwd)
+        if refs[problem][0] is None:
+            free(device)
     for mode in modes:
         mode_recs = []
-        ext = {}
+        exts = {problem: {} for problem in refs}
         for be in backends:
             progress.show(shape_idx, shape, mode, be.key)
+            problem = problems[be.key]
+            ref, ref_note = refs[problem]
             try:
-                rec = run_backend(be, mode, q, k, v, dout, shape, scale, ref, device, timer, peak_fn, ext)
+                rec = run_backend(be, mode, q, k, v, dout, shape, scale, ref, device, timer, peak_fn, exts[problem])
             except FatalDeviceError as e:
-                rec = Record(shape, mode, be.key, status=ERROR, reason=str(e), flops=attention_flops(shape, mode))
+                rec = Record(shape, mode, be.key, status=ERROR, reason=str(e), flops=attention_flops(problem, mode))
                 raise FatalDeviceError(str(e), records + mode_recs + [rec]) from e
             if ref_note and rec.status == OK:
                 rec.note = ref_note
