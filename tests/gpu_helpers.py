@@ -15,3 +15,14 @@ def rounding_noise(ref, dtype):
         return 0.0
     ref_lowp = ref.to(dtype)
     return (ref_lowp + 0.3 - 0.3 - ref_lowp).abs().max().item()
+
+
+def assert_grads_within_rule(grads, ref, low, dtype):
+    """FlashAttention's error rule for (dq, dk, dv): each within 2x the max error of the same gradient
+    computed by PyTorch in `dtype` (low) against the float64 one (ref), plus rounding noise; no NaN."""
+    for name, got, g_ref, g_low in zip(("dq", "dk", "dv"), grads, ref, low):
+        assert not got.isnan().any(), f"NaN in {name} (unwritten or invalid elements)"
+        err = (got.double() - g_ref).abs().max().item()
+        err_pt = (g_low.double() - g_ref).abs().max().item()
+        noise = rounding_noise(g_ref, dtype)
+        assert err <= 2 * err_pt + noise, f"{name}: max error {err:.3e} > 2 * {err_pt:.3e} (PyTorch {dtype}) + {noise:.1e}"

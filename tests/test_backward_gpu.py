@@ -12,7 +12,7 @@ import torch
 
 import flash_ext
 from flash_ext.reference import attention_autograd
-from gpu_helpers import poison_allocator, rounding_noise
+from gpu_helpers import assert_grads_within_rule, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -61,12 +61,7 @@ def _check_grads(q, k, v, dout, causal, softmax_scale=None, dlse=None, determini
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
     ref = _reference_grads(q, k, v, dout, causal, softmax_scale, dlse, upcast=True)
     low = _reference_grads(q, k, v, dout, causal, softmax_scale, dlse, upcast=False)
-    for name, got, g_ref, g_low in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, low):
-        assert not got.isnan().any(), f"NaN in {name} (unwritten or invalid elements)"
-        err = (got.double() - g_ref).abs().max().item()
-        err_pt = (g_low.double() - g_ref).abs().max().item()
-        noise = rounding_noise(g_ref, q.dtype)
-        assert err <= 2 * err_pt + noise, f"{name}: max error {err:.3e} > 2 * {err_pt:.3e} (PyTorch {q.dtype}) + {noise:.1e}"
+    assert_grads_within_rule((dq, dk, dv), ref, low, q.dtype)
     return dq, dk, dv
 
 
@@ -198,33 +193,6 @@ def test_flash_attn_func_rejects_unsupported_fa3_arguments():
     # Descales are supported, for FP8 inputs only (tests/test_fp8_*.py).
     with pytest.raises(ValueError, match=r"q_descale is only for FP8"):
         flash_ext.flash_attn_func(q, k, v, q_descale=torch.ones(1, 2, device="cuda"))
-
-
-def test_torch_compile_fullgraph_matches_eager():
-    _require_bwd_kernel(64, torch.bfloat16, True)
-
-    class Attention(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv = torch.nn.Linear(256, 3 * 256, dtype=torch.bfloat16)
-
-        def forward(self, x):
-            q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 64).unbind(2)
-            return flash_ext.flash_attn_func(q, k, v, causal=True, deterministic=True).flatten(2)
-
-    torch.manual_seed(0)
-    model = Attention().cuda()
-    x = torch.randn(2, 100, 256, device="cuda", dtype=torch.bfloat16)
-    eager_out = model(x)
-    eager_out.float().square().sum().backward()
-    eager_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    compiled = torch.compile(model, fullgraph=True)
-    out = compiled(x)
-    out.float().square().sum().backward()
-    assert torch.equal(out, eager_out)
-    for p, g in zip(model.parameters(), eager_grads):
-        torch.testing.assert_close(p.grad, g, rtol=1e-2, atol=1e-2)
 
 
 def test_opcheck_every_op():

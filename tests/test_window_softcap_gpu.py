@@ -26,7 +26,7 @@ import torch
 import flash_ext
 from flash_ext import fp8
 from flash_ext.reference import attention_autograd, attention_fp8_emulation, attention_lowp, attention_ref
-from gpu_helpers import poison_allocator, rounding_noise
+from gpu_helpers import assert_grads_within_rule, poison_allocator, rounding_noise
 
 pytestmark = pytest.mark.gpu
 
@@ -174,12 +174,7 @@ def _check_grads(q, k, v, dout, causal, window=NO_WINDOW, softcap=0.0, softmax_s
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
     ref = _reference_grads(q, k, v, dout, causal, window, softcap, softmax_scale, upcast=True)
     low = _reference_grads(q, k, v, dout, causal, window, softcap, softmax_scale, upcast=False)
-    for name, got, g_ref, g_low in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, low):
-        assert not got.isnan().any(), f"NaN in {name} (unwritten or invalid elements)"
-        err = (got.double() - g_ref).abs().max().item()
-        err_pt = (g_low.double() - g_ref).abs().max().item()
-        noise = rounding_noise(g_ref, q.dtype)
-        assert err <= 2 * err_pt + noise, f"{name}: max error {err:.3e} > 2 * {err_pt:.3e} (PyTorch {q.dtype}) + {noise:.1e}"
+    assert_grads_within_rule((dq, dk, dv), ref, low, q.dtype)
     band = _band(q.shape[1], k.shape[1], causal, window)
     assert torch.all(dq[:, ~band.any(dim=1)] == 0), "queries that see no key: dq exactly 0"
     unseen = ~band.any(dim=0)
@@ -386,7 +381,9 @@ def test_flash_attn_func_window_softcap_matches_forward(causal, window, softcap)
     assert torch.equal(dqkv, torch.cat(expected, dim=2))
 
 
-def test_torch_compile_fullgraph_window_softcap():
+def test_torch_compile_fullgraph_matches_eager():
+    """torch.compile(fullgraph=True) of a model calling flash_attn_func (forward and backward) equals eager,
+    causal, with a window and softcap, and with a window alone."""
     _require_kernels("bwd", 64, torch.bfloat16, True, (32, 0))
     _require_kernels("fwd", 64, torch.bfloat16, True, (32, 0))
 
@@ -401,7 +398,8 @@ def test_torch_compile_fullgraph_window_softcap():
             return flash_ext.flash_attn_func(q, k, v, deterministic=True, **self.mask).flatten(2)
 
     x = torch.randn(2, 100, 256, device="cuda", dtype=torch.bfloat16)
-    for mask in (dict(causal=True, window_size=(32, 0), softcap=20.0), dict(causal=False, window_size=(16, 16))):
+    for mask in (dict(causal=True), dict(causal=True, window_size=(32, 0), softcap=20.0),
+                 dict(causal=False, window_size=(16, 16))):
         torch.manual_seed(0)
         model = Attention(**mask).cuda()
         eager_out = model(x)
@@ -414,10 +412,10 @@ def test_torch_compile_fullgraph_window_softcap():
         assert torch.equal(out, eager_out)
         for p, g in zip(model.parameters(), eager_grads):
             torch.testing.assert_close(p.grad, g, rtol=1e-2, atol=1e-2)
-        # And the window really applied: the unwindowed model gives something else.
-        plain = Attention().cuda()
-        plain.load_state_dict(model.state_dict())
-        assert not torch.equal(plain(x), eager_out)
+        if len(mask) > 1:  # and the window really applied: the unwindowed model gives something else
+            plain = Attention().cuda()
+            plain.load_state_dict(model.state_dict())
+            assert not torch.equal(plain(x), eager_out)
 
 
 def test_opcheck_window_softcap():
