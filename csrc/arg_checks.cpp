@@ -123,10 +123,10 @@ AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor co
   AttentionShape const s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
   TORCH_CHECK_VALUE(k.size(0) == s.batch, "batch mismatch: q has batch ", s.batch, ", k and v have ", k.size(0));
   TORCH_CHECK_VALUE(k.size(3) == s.headdim, "head dim mismatch: q has ", s.headdim, ", k and v have ", k.size(3));
-  TORCH_CHECK_VALUE(s.batch >= 1 && s.nheads >= 1 && s.nheads_kv >= 1, "batch and head counts must be >= 1, got q ",
+  TORCH_CHECK_VALUE(s.batch >= 0 && s.nheads >= 1 && s.nheads_kv >= 1, "head counts must be >= 1, got q ",
                     tuple_str(q.sizes()), ", k ", tuple_str(k.sizes()));
-  TORCH_CHECK_VALUE(s.seqlen_q >= 1 && s.seqlen_k >= 1, "seqlen_q and seqlen_k must be >= 1, got ", s.seqlen_q, " and ",
-                    s.seqlen_k);
+  // batch, seqlen_q and seqlen_k may be 0: the ops return empty outputs (or, with no key, out = 0 and
+  // lse = -inf) without a launch (is_empty).
   TORCH_CHECK_VALUE(s.nheads % s.nheads_kv == 0, "nheads (", s.nheads, ") must be a multiple of nheads_kv (", s.nheads_kv,
                     ") for MQA/GQA");
   TORCH_CHECK_VALUE(s.headdim % 8 == 0 && s.headdim >= 8 && s.headdim <= kMaxHeadDim, "head dim ", s.headdim,
@@ -146,9 +146,11 @@ AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor co
                     "2^30, got ", s.seqlen_q, " + ", s.seqlen_k);
   TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be a finite positive number, got ",
                     softmax_scale);
-  check_layout(q, "q");
-  check_layout(k, "k");
-  check_layout(v, "v");
+  if (!s.is_empty()) {  // nothing is loaded from an empty problem, whose strides may be 0
+    check_layout(q, "q");
+    check_layout(k, "k");
+    check_layout(v, "v");
+  }
   return s;
 }
 
@@ -170,7 +172,7 @@ void check_tensor_like(at::Tensor const& t, char const* name, at::IntArrayRef si
                     tuple_str(t.sizes()));
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have the dtype of ", like, " (", torch_name(dtype), "), got ",
                    torch_name(t.scalar_type()));
-  check_layout(t, name);
+  if (t.numel() > 0) { check_layout(t, name); }
 }
 
 void check_descale(at::Tensor const& t, char const* name, AttentionShape const& s, at::ScalarType qkv_dtype) {

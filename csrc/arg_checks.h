@@ -19,6 +19,8 @@ constexpr int64_t kAlignBytes = 16;
 // k, v (batch, seqlen_k, nheads_kv, headdim).
 struct AttentionShape {
   int64_t batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim;
+  // No (query, key) pair: the ops return without a launch.
+  bool is_empty() const { return batch == 0 || seqlen_q == 0 || seqlen_k == 0; }
 };
 
 // q, k, v as the kernels need them (all but their device: check_on_gpu); `op` names the public function in

@@ -10,6 +10,7 @@
 
 #include <cutlass/version.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <sstream>
 #include <string>
@@ -98,6 +99,11 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
   bool const fp8 = q.scalar_type() == at::kFloat8_e4m3fn;
   at::Tensor out = at::empty({s.batch, s.seqlen_q, s.nheads, s.headdim}, q.options().dtype(fp8 ? at::kBFloat16 : q.scalar_type()));
   at::Tensor lse = at::empty({s.batch, s.nheads, s.seqlen_q}, q.options().dtype(at::kFloat));
+  if (s.is_empty()) {  // empty outputs; with no key (seqlen_k = 0), rows that see no key: out = 0, lse = -inf
+    out.zero_();
+    lse.fill_(-INFINITY);
+    return {out, lse};
+  }
 
   flash::FwdParams params{};
   params.q = strided(q);
@@ -149,6 +155,12 @@ void mha_bwd_out(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& 
                                                      q.scalar_type(), causal, options.banded);
 
   c10::cuda::CUDAGuard device_guard(device);
+  if (s.is_empty()) {  // no (query, key) pair: every gradient is 0
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return;
+  }
   at::Tensor const lse_c = lse.contiguous();
   std::optional<at::Tensor> const dlse_c = dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
 

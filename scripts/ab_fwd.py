@@ -8,6 +8,7 @@ is compared with the main build's (the same arithmetic per tile gives the same b
 a difference is printed).
 
     PYTHONPATH=$PWD python3 scripts/ab_fwd.py --variants m128 --headdims 64,128,256 --seqlens 1024,8192
+(--softcap C: every call soft-capped; SDPA, which has none, is timed without.)
 """
 import argparse
 import importlib
@@ -34,6 +35,7 @@ def main():
     parser.add_argument("--headdims", default="64,128,256")
     parser.add_argument("--seqlens", default="1024,8192")
     parser.add_argument("--causal", default="0,1")
+    parser.add_argument("--softcap", type=float, default=0.0, help="softcap of every call (0 = off)")
     parser.add_argument("--toggle", default="FLASH_EXT_PINGPONG", choices=("FLASH_EXT_PINGPONG", "FLASH_EXT_PERSISTENT", "none"),
                         help="a run-time switch to time on and off; none: each kernel's own choice only")
     args = parser.parse_args()
@@ -57,8 +59,10 @@ def main():
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 scale = 1 / math.sqrt(d)
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                ref, _ = attention_ref(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], causal=causal)
-                err_pt = (attention_lowp(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], causal=causal).double() - ref).abs().max().item()
+                mask = dict(causal=causal, softcap=args.softcap)
+                ref, _ = attention_ref(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], **mask)
+                err_pt = (attention_lowp(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], **mask).double() - ref).abs().max().item()
+                call = (scale, causal, None, None, None, -1, -1, args.softcap)
                 row = f"d{d} {'C' if causal else 'N'} s{s:<10}"
                 out_main = None  # every variant's whole output must equal the main build's default launch
                 for name, ns in ops.items():
@@ -66,7 +70,7 @@ def main():
                         if on is not None:
                             os.environ[args.toggle] = str(on)
                         try:
-                            out, _ = ns.fwd(q, k, v, scale, causal)
+                            out, _ = ns.fwd(q, k, v, *call)
                             err = (out[:1, :, :2].double() - ref).abs().max().item()
                             if out_main is None:
                                 out_main = out
@@ -76,7 +80,7 @@ def main():
                             if not torch.equal(out, out_main):
                                 diff = (out.float() - out_main.float()).abs().max().item()
                                 print(f"    {name} {on}: output differs from main's, max |diff| {diff:.3g}")
-                            ms = timed(lambda: ns.fwd(q, k, v, scale, causal))
+                            ms = timed(lambda: ns.fwd(q, k, v, *call))
                             row += f"{flops / ms / 1e9:>14.1f}"
                         except RuntimeError as e:
                             row += f"{'n/a':>14}"

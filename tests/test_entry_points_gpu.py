@@ -3,7 +3,7 @@
 sdpa is checked against float64 scaled_dot_product_attention (math backend) with the 2x rule of the other
 GPU tests (the baseline: math attention in the inputs' dtype), outputs and gradients, including SDPA's
 top-left causal mask when seqlen_q != seqlen_k; the packed entry point against flash_attn_func on the same
-values (same kernels: bitwise equal)."""
+values (same kernels: bitwise equal); empty inputs (batch, seqlen_q or seqlen_k 0) through every entry point."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,11 +114,41 @@ def test_flash_attn_qkvpacked_func_equals_unpacked(layout, causal):
         qkv = torch.randn(2, 257, 8 + 2 * 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         num_heads_q = 8
         q, k, v = (t.clone().requires_grad_() for t in qkv.detach().split([8, 2, 2], dim=2))
-    out, lse = flash_ext.flash_attn_qkvpacked_func(qkv, causal=causal, num_heads_q=num_heads_q, return_attn_probs=True)
-    out_ref, lse_ref = flash_ext.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    # Deterministic: dq's additions in a fixed order, so that the two gradients can be compared bitwise (the
+    # default order varies from run to run).
+    out, lse = flash_ext.flash_attn_qkvpacked_func(qkv, causal=causal, num_heads_q=num_heads_q, deterministic=True,
+                                                   return_attn_probs=True)
+    out_ref, lse_ref = flash_ext.flash_attn_func(q, k, v, causal=causal, deterministic=True, return_attn_probs=True)
     assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
     dout = torch.randn_like(out)
     (dqkv,) = torch.autograd.grad(out, (qkv,), dout)
     grads = torch.autograd.grad(out_ref, (q, k, v), dout)
     expected = torch.stack(grads, dim=2) if layout == "stacked" else torch.cat(grads, dim=2)
     assert torch.equal(dqkv, expected)
+
+
+# (batch, seqlen_q, seqlen_k): no batch, no query, no key, neither.
+EMPTY_SHAPES = [(0, 8, 8), (2, 0, 8), (2, 8, 0), (2, 0, 0)]
+
+
+@pytest.mark.parametrize("mask", [dict(causal=False), dict(causal=True), dict(window_size=(4, 4), softcap=5.0)],
+                         ids=["full", "causal", "window-softcap"])
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=lambda s: f"b{s[0]}sq{s[1]}sk{s[2]}")
+def test_empty_inputs(shape, mask):
+    """An empty problem returns empty outputs as SDPA does, without a launch: out = 0 and lse = -inf for
+    queries when there is no key, and zero gradients (of the inputs' shapes)."""
+    batch, seqlen_q, seqlen_k = shape
+    q = torch.randn(batch, seqlen_q, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(batch, seqlen_k, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    out, lse = flash_ext.attention(q, k, v, **mask)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (batch, 4, seqlen_q)
+    assert torch.all(out == 0) and torch.all(lse == -float("inf"))
+    dq, dk, dv = torch.autograd.grad(out.float().sum() + lse.clamp(min=0).sum(), (q, k, v), allow_unused=False)
+    for grad, t in ((dq, q), (dk, k), (dv, v)):
+        assert grad.shape == t.shape and torch.all(grad == 0)
+    grads = flash_ext.backward(torch.ones_like(out), q.detach(), k.detach(), v.detach(), out, lse, **mask)
+    assert all(g.shape == t.shape and torch.all(g == 0) for g, t in zip(grads, (q, k, v)))
+    assert flash_ext.flash_attn_func(q, k, v, **mask).shape == q.shape
+    assert flash_ext.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True,
+                          is_causal=mask.get("causal", False)).shape == q.transpose(1, 2).shape
