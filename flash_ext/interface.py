@@ -79,8 +79,14 @@ def _check_bool(name, value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+# The default window (none): its own object, which the per-call checks recognise first (host time per call).
+NO_WINDOW = (-1, -1)
+
+
 def _window_size(window_size):
     """window_size as (left, right) ints; their values (-1 or >= 0, causal's right bound) are the op's to check."""
+    if window_size is NO_WINDOW:
+        return window_size
     if not isinstance(window_size, (tuple, list)):
         raise TypeError(f"window_size must be a tuple (left, right) of two ints, got {type(window_size).__name__}")
     if len(window_size) != 2:
@@ -94,18 +100,15 @@ def _window_size(window_size):
 
 def _softcap(softcap):
     """softcap as a float; its value (finite, >= 0) is the op's to check."""
+    if type(softcap) is float:
+        return softcap
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0 = off), got {type(softcap).__name__}")
     return float(softcap)
 
 
-def _mask_kwargs(window, softcap):
-    """The ops' trailing window_left / window_right / softcap arguments."""
-    return {"window_left": window[0], "window_right": window[1], "softcap": softcap}
-
-
 def forward(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
-            window_size=(-1, -1), softcap=0.0):
+            window_size=NO_WINDOW, softcap=0.0):
     """Exact attention forward on Hopper.
 
     Args:
@@ -133,7 +136,7 @@ def forward(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale
         descaled, soft-capped logits), -inf for queries that see no key. 16-bit: both are differentiable
         when q, k or v require grad (the backward is flash_ext.backward). FP8 is forward-only.
     """
-    if any(t is not None for t in (q_descale, k_descale, v_descale)) or _is_fp8(q):
+    if q_descale is not None or k_descale is not None or v_descale is not None or _is_fp8(q):
         return _forward_fp8(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, window_size, softcap)
     return attention(q, k, v, softmax_scale, causal, deterministic=False, window_size=window_size, softcap=softcap)
 
@@ -142,7 +145,7 @@ def _is_fp8(t):
     return isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn
 
 
-def _forward_fp8(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, window_size=(-1, -1), softcap=0.0):
+def _forward_fp8(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, window_size=NO_WINDOW, softcap=0.0):
     """The FP8 path of forward (also reached by 16-bit inputs with descales, for the op's error)."""
     _check_tensors(q=q, k=k, v=v)
     for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
@@ -155,11 +158,10 @@ def _forward_fp8(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError("the FP8 forward is not differentiable: flash_ext has no FP8 backward; "
                                   "detach q, k, v or use 16-bit inputs for training")
-    return torch.ops.flash_ext.fwd(q, k, v, scale, causal, q_descale, k_descale, v_descale,
-                                   **_mask_kwargs(window, softcap))
+    return torch.ops.flash_ext.fwd(q, k, v, scale, causal, q_descale, k_descale, v_descale, window[0], window[1], softcap)
 
 
-def attention(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_size=(-1, -1), softcap=0.0):
+def attention(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_size=NO_WINDOW, softcap=0.0):
     """forward() (16-bit) with the backward's deterministic switch: (out, lse), differentiable; window_size
     and softcap as in forward(), and the backward uses the same ones."""
     _check_tensors(q=q, k=k, v=v)
@@ -168,14 +170,14 @@ def attention(q, k, v, softmax_scale=None, causal=False, deterministic=False, wi
     _check_bool("deterministic", deterministic)
     window, softcap = _window_size(window_size), _softcap(softcap)
     _require_extension()
-    mask = _mask_kwargs(window, softcap)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return torch.ops.flash_ext.attention(q, k, v, scale, causal, deterministic, window[0], window[1], softcap)
-    return torch.ops.flash_ext.fwd(q, k, v, scale, causal, **mask)
+    # Positional: keyword arguments cost the op's dispatch more host time per call.
+    return torch.ops.flash_ext.fwd(q, k, v, scale, causal, None, None, None, window[0], window[1], softcap)
 
 
 def backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False, dq=None, dk=None, dv=None,
-             dlse=None, window_size=(-1, -1), softcap=0.0):
+             dlse=None, window_size=NO_WINDOW, softcap=0.0):
     """Gradients of exact attention: (dq, dk, dv).
 
     Args:
@@ -201,13 +203,12 @@ def backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, determin
     _check_bool("deterministic", deterministic)
     window, softcap = _window_size(window_size), _softcap(softcap)
     _require_extension()
-    mask = _mask_kwargs(window, softcap)
     if dq is None and dk is None and dv is None:
-        return torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, **mask)
+        return torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, *window, softcap)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
-    torch.ops.flash_ext.bwd_out(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, **mask)
+    torch.ops.flash_ext.bwd_out(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, dq, dk, dv, *window, softcap)
     return dq, dk, dv
 
 

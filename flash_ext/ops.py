@@ -21,11 +21,6 @@ def _kernel_readable(t):
     return t
 
 
-def _mask_kwargs(window_left, window_right, softcap):
-    """The C++ ops' trailing arguments."""
-    return {"window_left": window_left, "window_right": window_right, "softcap": softcap}
-
-
 def register():
     @torch.library.register_fake("flash_ext::fwd")
     def _fwd_fake(q, k, v, softmax_scale, causal, q_descale=None, k_descale=None, v_descale=None, window_left=-1,
@@ -49,8 +44,7 @@ def register():
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
                   deterministic: bool, window_left: int = -1, window_right: int = -1,
                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.ops.flash_ext.fwd(q, k, v, softmax_scale, causal,
-                                       **_mask_kwargs(window_left, window_right, softcap))
+        return torch.ops.flash_ext.fwd(q, k, v, softmax_scale, causal, None, None, None, window_left, window_right, softcap)
 
     @attention.register_fake
     def _attention_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1, softcap=0.0):
@@ -61,13 +55,13 @@ def register():
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-        ctx.mask = _mask_kwargs(window_left, window_right, softcap)
+        ctx.mask = (window_left, window_right, softcap)
 
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else _kernel_readable(dout)
         dq, dk, dv = torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal,
-                                             ctx.deterministic, **ctx.mask)
+                                             ctx.deterministic, *ctx.mask)
         return dq, dk, dv, None, None, None, None, None, None
 
     attention.register_autograd(backward, setup_context=setup_context)

@@ -364,13 +364,13 @@ def test_softcap_type(entry, softcap, no_op_calls):
 
 
 def test_window_size_and_softcap_conversion():
-    from flash_ext.interface import _mask_kwargs, _softcap, _window_size
+    from flash_ext.interface import NO_WINDOW, _softcap, _window_size
 
     assert _window_size([3, -1]) == (3, -1) and _window_size((0, 0)) == (0, 0)
     assert _softcap(30) == 30.0 and isinstance(_softcap(30), float) and _softcap(0.5) == 0.5
     # Values are not Python's to judge: they reach the op, which raises for them.
     assert _window_size((-7, 100)) == (-7, 100) and _softcap(-1.0) == -1.0
-    assert _mask_kwargs((-1, -1), 0.0) == {"window_left": -1, "window_right": -1, "softcap": 0.0}
+    assert _window_size(NO_WINDOW) is NO_WINDOW and _window_size([-1, -1]) == NO_WINDOW
 
 
 # (kwargs, the argument the op's ValueError names)
