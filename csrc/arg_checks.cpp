@@ -4,7 +4,9 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
+#include <optional>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -47,9 +49,15 @@ std::string tuple_str(at::IntArrayRef v) {
   return s.str();
 }
 
-void check_rank_and_dtype(at::Tensor const& t, char const* name, char const* op, bool allow_fp8) {
-  TORCH_CHECK_VALUE(t.dim() == 4, name, " must have 4 dims (batch, seqlen, nheads, headdim), got ", t.dim(),
-                    " dims with shape ", tuple_str(t.sizes()));
+// Dense tensors are (batch, seqlen, nheads, headdim); varlen ones (total, nheads, headdim).
+void check_rank_and_dtype(at::Tensor const& t, char const* name, char const* op, bool allow_fp8, bool varlen = false) {
+  if (varlen) {
+    TORCH_CHECK_VALUE(t.dim() == 3, name, " must have 3 dims (total_tokens, nheads, headdim) for ", op, ", got ", t.dim(),
+                      " dims with shape ", tuple_str(t.sizes()));
+  } else {
+    TORCH_CHECK_VALUE(t.dim() == 4, name, " must have 4 dims (batch, seqlen, nheads, headdim), got ", t.dim(),
+                      " dims with shape ", tuple_str(t.sizes()));
+  }
   at::ScalarType const dtype = t.scalar_type();
   if (allow_fp8) {
     TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat8_e4m3fn, name, " has dtype ",
@@ -110,6 +118,12 @@ int kernel_headdim(int64_t headdim, Direction direction) {
   return direction == Direction::kFwd ? next_kernel_headdim(kFwdHeadDims, headdim) : next_kernel_headdim(kBwdHeadDims, headdim);
 }
 
+namespace {
+// The rules q, k, v share in both layouts, once `s` holds their sizes.
+void check_qkv_common(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, AttentionShape const& s,
+                      double softmax_scale);
+}  // namespace
+
 AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale,
                          char const* op, bool allow_fp8) {
   check_rank_and_dtype(q, "q", op, allow_fp8);
@@ -122,7 +136,57 @@ AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor co
                     tuple_str(v.sizes()));
   AttentionShape const s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
   TORCH_CHECK_VALUE(k.size(0) == s.batch, "batch mismatch: q has batch ", s.batch, ", k and v have ", k.size(0));
-  TORCH_CHECK_VALUE(k.size(3) == s.headdim, "head dim mismatch: q has ", s.headdim, ", k and v have ", k.size(3));
+  check_qkv_common(q, k, v, s, softmax_scale);
+  return s;
+}
+
+VarlenShape check_qkv_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& cu_seqlens_q,
+                             at::Tensor const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_q,
+                             std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                             double softmax_scale, char const* op) {
+  check_rank_and_dtype(q, "q", op, /*allow_fp8=*/false, /*varlen=*/true);
+  check_rank_and_dtype(k, "k", op, false, true);
+  check_rank_and_dtype(v, "v", op, false, true);
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+                   "q, k, v must share one dtype, got q ", torch_name(q.scalar_type()), ", k ", torch_name(k.scalar_type()),
+                   ", v ", torch_name(v.scalar_type()));
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got k ", tuple_str(k.sizes()), " and v ",
+                    tuple_str(v.sizes()));
+  for (auto const& [t, name] : {std::pair{&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, name, " must be torch.int32, got ", torch_name(t->scalar_type()));
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) >= 1, name, " must be 1-D (batch + 1,), got shape ", tuple_str(t->sizes()));
+    TORCH_CHECK_VALUE(t->stride(0) == 1, name, " must be contiguous; call .contiguous()");
+  }
+  TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), "cu_seqlens_q and cu_seqlens_k must have the same length "
+                    "(batch + 1), got ", cu_seqlens_q.size(0), " and ", cu_seqlens_k.size(0));
+  int64_t const batch = cu_seqlens_q.size(0) - 1;
+  for (auto const& [t, name] : {std::pair{&seqused_q, "seqused_q"}, {&seqused_k, "seqused_k"}}) {
+    if (!t->has_value()) { continue; }
+    at::Tensor const& u = **t;
+    TORCH_CHECK_TYPE(u.scalar_type() == at::kInt, name, " must be torch.int32, got ", torch_name(u.scalar_type()));
+    TORCH_CHECK_VALUE(u.dim() == 1 && u.size(0) == batch, name, " must have shape (batch,) = (", batch, ",), got ",
+                      tuple_str(u.sizes()));
+    TORCH_CHECK_VALUE(u.stride(0) == 1 || batch <= 1, name, " must be contiguous; call .contiguous()");
+  }
+  TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0, "max_seqlen_q and max_seqlen_k must be >= 0, got ",
+                    max_seqlen_q, " and ", max_seqlen_k);
+  // The longest sequence cannot exceed its packed tensor: a larger maximum only costs grid size.
+  max_seqlen_q = std::min(max_seqlen_q, q.size(0));
+  max_seqlen_k = std::min(max_seqlen_k, k.size(0));
+  VarlenShape vs;
+  vs.shape = AttentionShape{batch, max_seqlen_q, max_seqlen_k, q.size(1), k.size(1), q.size(2)};
+  vs.total_q = q.size(0);
+  vs.total_k = k.size(0);
+  TORCH_CHECK_VALUE(vs.total_q < (int64_t(1) << 31) - 1 && vs.total_k < (int64_t(1) << 31) - 1,
+                    "problem too large: q and k must have fewer than 2^31 - 1 rows, got ", vs.total_q, " and ", vs.total_k);
+  check_qkv_common(q, k, v, vs.shape, softmax_scale);
+  return vs;
+}
+
+namespace {
+void check_qkv_common(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, AttentionShape const& s,
+                      double softmax_scale) {
+  TORCH_CHECK_VALUE(k.size(-1) == s.headdim, "head dim mismatch: q has ", s.headdim, ", k and v have ", k.size(-1));
   TORCH_CHECK_VALUE(s.batch >= 0 && s.nheads >= 1 && s.nheads_kv >= 1, "head counts must be >= 1, got q ",
                     tuple_str(q.sizes()), ", k ", tuple_str(k.sizes()));
   // batch, seqlen_q and seqlen_k may be 0: the ops return empty outputs (or, with no key, out = 0 and
@@ -142,8 +206,8 @@ AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor co
                     "problem too large: batch * nheads * seqlen / 64 must stay below 2^31, got q ", tuple_str(q.sizes()),
                     ", k ", tuple_str(k.sizes()));
   // The kernels' band arithmetic (mask.h) adds the two lengths and a tile.
-  TORCH_CHECK_VALUE(s.seqlen_q + s.seqlen_k < (int64_t(1) << 30), "problem too large: seqlen_q + seqlen_k must stay below "
-                    "2^30, got ", s.seqlen_q, " + ", s.seqlen_k);
+  TORCH_CHECK_VALUE(s.seqlen_q + s.seqlen_k < (int64_t(1) << 29), "problem too large: seqlen_q + seqlen_k must stay below "
+                    "2^29, got ", s.seqlen_q, " + ", s.seqlen_k);
   TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be a finite positive number, got ",
                     softmax_scale);
   if (!s.is_empty()) {  // nothing is loaded from an empty problem, whose strides may be 0
@@ -151,8 +215,8 @@ AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor co
     check_layout(k, "k");
     check_layout(v, "v");
   }
-  return s;
 }
+}  // namespace
 
 void check_on_gpu(std::vector<std::pair<at::Tensor const*, char const*>> const& tensors, char const* op) {
   at::Tensor const& first = *tensors.begin()->first;
@@ -200,10 +264,13 @@ ScoreOptionsChecked check_score_options(bool causal, int64_t window_left, int64_
   return {int(window_left), int(window_right), float(softcap), banded};
 }
 
-void check_lse(at::Tensor const& t, char const* name, AttentionShape const& s) {
-  std::vector<int64_t> const sizes{s.batch, s.nheads, s.seqlen_q};
-  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(sizes), name, " must have shape (batch, nheads, seqlen_q) = ",
-                    tuple_str(sizes), " (the forward's lse for these q, k, v), got ", tuple_str(t.sizes()));
+void check_lse(at::Tensor const& t, char const* name, AttentionShape const& s, int64_t varlen_total_q) {
+  bool const varlen = varlen_total_q >= 0;
+  std::vector<int64_t> const sizes = varlen ? std::vector<int64_t>{s.nheads, varlen_total_q}
+                                            : std::vector<int64_t>{s.batch, s.nheads, s.seqlen_q};
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(sizes), name, " must have shape ",
+                    varlen ? "(nheads, total_q) = " : "(batch, nheads, seqlen_q) = ", tuple_str(sizes),
+                    " (the forward's lse for these q, k, v), got ", tuple_str(t.sizes()));
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be torch.float32 (as the forward returns it), got ",
                    torch_name(t.scalar_type()));
 }

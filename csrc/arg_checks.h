@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 #include <utility>
 
@@ -28,6 +29,22 @@ struct AttentionShape {
 AttentionShape check_qkv(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale,
                          char const* op, bool allow_fp8 = false);
 
+// Varlen calls (flash_attn_varlen_func): q (total_q, nheads, headdim), k, v (total_k, nheads_kv, headdim),
+// cu_seqlens_q / _k int32 (batch + 1,), seqused_q / _k int32 (batch,) or None; 16-bit only. `shape` holds
+// the sequence count and the callers' maxima (clamped to the packed lengths). Only shapes, dtypes and
+// layouts are checked here: the values live on the GPU (the Python API checks them in eager mode, and
+// the kernels stay in bounds whatever they are: hopper/varlen.h).
+struct VarlenShape {
+  AttentionShape shape;
+  int64_t total_q, total_k;
+  bool is_empty() const { return shape.batch == 0 || total_q == 0 || shape.seqlen_q == 0; }
+  bool has_no_keys() const { return total_k == 0 || shape.seqlen_k == 0; }
+};
+VarlenShape check_qkv_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& cu_seqlens_q,
+                             at::Tensor const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_q,
+                             std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                             double softmax_scale, char const* op);
+
 // An FP8 descale factor (q_descale, k_descale or v_descale): float32 (batch, nheads_kv), any strides; only
 // with FP8 q, k, v.
 void check_descale(at::Tensor const& t, char const* name, AttentionShape const& s, at::ScalarType qkv_dtype);
@@ -37,8 +54,9 @@ void check_descale(at::Tensor const& t, char const* name, AttentionShape const& 
 void check_tensor_like(at::Tensor const& t, char const* name, at::IntArrayRef sizes, at::ScalarType dtype,
                        char const* like);
 
-// lse (or its gradient dlse) of a forward call: float32 (batch, nheads, seqlen_q).
-void check_lse(at::Tensor const& t, char const* name, AttentionShape const& s);
+// lse (or its gradient dlse) of a forward call: float32 (batch, nheads, seqlen_q), or for varlen calls
+// (varlen_total_q >= 0) (nheads, total_q).
+void check_lse(at::Tensor const& t, char const* name, AttentionShape const& s, int64_t varlen_total_q = -1);
 
 // The window and softcap arguments (FlashAttention's window_size = (left, right), -1 = unbounded) as the
 // kernels take them: values checked (ValueError naming window_size / softcap), bounds past the sequences

@@ -25,8 +25,29 @@ namespace {
 
 using flash_api::tma_stride;
 
+// (batch, seqlen, heads, headdim), or varlen's (total, heads, headdim): no batch stride.
 flash::StridedTensor strided(at::Tensor const& t) {
+  if (t.dim() == 3) { return {t.data_ptr(), 0, tma_stride(t, 0), tma_stride(t, 1)}; }
   return {t.data_ptr(), tma_stride(t, 0), tma_stride(t, 1), tma_stride(t, 2)};
+}
+
+// A varlen call's sequences (flash.h: VarlenArgs).
+flash::VarlenArgs varlen_args(flash_api::VarlenShape const& vs, at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
+                              std::optional<at::Tensor> const& seqused_q, std::optional<at::Tensor> const& seqused_k) {
+  flash::VarlenArgs a;
+  a.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
+  a.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
+  a.seqused_q = seqused_q.has_value() ? seqused_q->data_ptr<int>() : nullptr;
+  a.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
+  a.total_q = int(vs.total_q);
+  a.total_k = int(vs.total_k);
+  return a;
+}
+
+// The tensors of a call that must share its GPU: the named ones plus the optional ones present.
+using NamedTensors = std::vector<std::pair<at::Tensor const*, char const*>>;
+void add_present(NamedTensors& list, std::optional<at::Tensor> const& t, char const* name) {
+  if (t.has_value()) { list.push_back({&*t, name}); }
 }
 
 // The problem sizes and score options both directions' parameters carry.
@@ -73,6 +94,29 @@ typename flash::KernelRegistry<Params>::Entry const& find_kernel(char const* dir
               " kernel (build switches FLASH_EXT_HEADDIMS / FLASH_EXT_DTYPES / FLASH_EXT_CAUSAL / FLASH_EXT_BACKWARD, "
               "or no such kernel yet: flash_ext/kernel_table.py); rebuild to use it");
   return *entry;
+}
+
+// The backward's parameters shared by the dense and varlen ops (lse_c / dlse_c: contiguous copies that outlive
+// the launch).
+flash::BwdParams bwd_params(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                            at::Tensor const& out, at::Tensor const& lse_c, std::optional<at::Tensor> const& dlse_c,
+                            at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, flash_api::AttentionShape const& s,
+                            double softmax_scale,
+                            flash_api::ScoreOptionsChecked const& options, bool deterministic) {
+  flash::BwdParams params{};
+  params.q = strided(q);
+  params.k = strided(k);
+  params.v = strided(v);
+  params.o = strided(out);
+  params.dout = strided(dout);
+  params.lse = lse_c.data_ptr<float>();
+  params.dlse = dlse_c.has_value() ? dlse_c->data_ptr<float>() : nullptr;
+  params.dq = strided(dq);
+  params.dk = strided(dk);
+  params.dv = strided(dv);
+  set_sizes(params, s, softmax_scale, options);
+  params.deterministic = deterministic;
+  return params;
 }
 
 // FP8 (e4m3) q, k, v give a bf16 out; the descales (None = 1) exist only for them.
@@ -164,19 +208,7 @@ void mha_bwd_out(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& 
   at::Tensor const lse_c = lse.contiguous();
   std::optional<at::Tensor> const dlse_c = dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
 
-  flash::BwdParams params{};
-  params.q = strided(q);
-  params.k = strided(k);
-  params.v = strided(v);
-  params.o = strided(out);
-  params.dout = strided(dout);
-  params.lse = lse_c.data_ptr<float>();
-  params.dlse = dlse_c.has_value() ? dlse_c->data_ptr<float>() : nullptr;
-  params.dq = strided(dq);
-  params.dk = strided(dk);
-  params.dv = strided(dv);
-  set_sizes(params, s, softmax_scale, options);
-  params.deterministic = deterministic;
+  flash::BwdParams params = bwd_params(dout, q, k, v, out, lse_c, dlse_c, dq, dk, dv, s, softmax_scale, options, deterministic);
   params.dq_scratch_bytes = dq.is_contiguous() ? int64_t(dq.nbytes()) : 0;
   at::Tensor const workspace = at::empty({int64_t(kernel.workspace_bytes(params))}, q.options().dtype(at::kByte));
   params.workspace = workspace.data_ptr();
@@ -194,6 +226,103 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(at::Tensor const& dout, a
   at::Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
   mha_bwd_out(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, dq, dk, dv, window_left, window_right,
               softcap);
+  return {dq, dk, dv};
+}
+
+// Variable-length batches (flash_attn_varlen_func): q (total_q, nheads, d), k, v (total_k, nheads_kv, d), the
+// sequences given by cu_seqlens_* (and seqused_*); out like q, lse (nheads, total_q). Rows outside every
+// sequence's used rows are not written by the kernels: they are 0 (out) and -inf (lse) when seqused_q says
+// some rows are unused (with valid cu_seqlens every other row belongs to a sequence).
+std::tuple<at::Tensor, at::Tensor> mha_fwd_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                                                  at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
+                                                  std::optional<at::Tensor> const& seqused_q,
+                                                  std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
+                                                  int64_t max_seqlen_k, double softmax_scale, bool causal,
+                                                  int64_t window_left, int64_t window_right, double softcap) {
+  char const* op = "flash_ext.flash_attn_varlen_func";
+  auto const vs = flash_api::check_qkv_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                              max_seqlen_k, softmax_scale, op);
+  auto const& s = vs.shape;
+  auto const options = flash_api::check_score_options(causal, window_left, window_right, softcap, s);
+  NamedTensors on_gpu{{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}};
+  add_present(on_gpu, seqused_q, "seqused_q");
+  add_present(on_gpu, seqused_k, "seqused_k");
+  flash_api::check_on_gpu(on_gpu, op);
+  auto const& kernel = find_kernel<flash::FwdParams>("forward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kFwd),
+                                                     q.scalar_type(), causal, options.banded);
+
+  c10::cuda::CUDAGuard device_guard(q.device());
+  at::Tensor out = at::empty({vs.total_q, s.nheads, s.headdim}, q.options());
+  at::Tensor lse = at::empty({s.nheads, vs.total_q}, q.options().dtype(at::kFloat));
+  if (vs.is_empty() || vs.has_no_keys() || seqused_q.has_value()) {
+    out.zero_();
+    lse.fill_(-INFINITY);
+    if (vs.is_empty() || vs.has_no_keys()) { return {out, lse}; }
+  }
+
+  flash::FwdParams params{};
+  params.q = strided(q);
+  params.k = strided(k);
+  params.v = strided(v);
+  params.o = strided(out);
+  params.lse = lse.data_ptr<float>();
+  set_sizes(params, s, softmax_scale, options);
+  params.varlen = varlen_args(vs, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
+  params.pingpong = env_override("FLASH_EXT_PINGPONG");
+  params.persistent = env_override("FLASH_EXT_PERSISTENT");
+  at::Tensor const workspace = at::empty({int64_t(kernel.workspace_bytes(params))}, q.options().dtype(at::kByte));
+  params.workspace = workspace.data_ptr();
+  kernel.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  return {out, lse};
+}
+
+// The varlen backward: gradients like q, k, v; the rows no sequence uses get 0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_varlen(
+    at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
+    at::Tensor const& lse, std::optional<at::Tensor> const& dlse, at::Tensor const& cu_seqlens_q,
+    at::Tensor const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_q, std::optional<at::Tensor> const& seqused_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal, bool deterministic, int64_t window_left,
+    int64_t window_right, double softcap) {
+  char const* op = "flash_ext.flash_attn_varlen_func (backward)";
+  auto const vs = flash_api::check_qkv_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                              max_seqlen_k, softmax_scale, op);
+  auto const& s = vs.shape;
+  auto const options = flash_api::check_score_options(causal, window_left, window_right, softcap, s);
+  flash_api::check_tensor_like(dout, "dout", q.sizes(), q.scalar_type(), "q");
+  flash_api::check_tensor_like(out, "out", q.sizes(), q.scalar_type(), "q");
+  flash_api::check_lse(lse, "lse", s, vs.total_q);
+  if (dlse.has_value()) { flash_api::check_lse(*dlse, "dlse", s, vs.total_q); }
+  NamedTensors on_gpu{{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}, {&out, "out"}, {&lse, "lse"},
+                      {&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}};
+  add_present(on_gpu, dlse, "dlse");
+  add_present(on_gpu, seqused_q, "seqused_q");
+  add_present(on_gpu, seqused_k, "seqused_k");
+  flash_api::check_on_gpu(on_gpu, op);
+  auto const& kernel = find_kernel<flash::BwdParams>("backward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kBwd),
+                                                     q.scalar_type(), causal, options.banded);
+
+  c10::cuda::CUDAGuard device_guard(q.device());
+  // The kernels write the rows of used sequences only.
+  bool const some_rows_unused = seqused_q.has_value() || seqused_k.has_value();
+  auto allocate = [&](at::Tensor const& like) {
+    return some_rows_unused ? at::zeros(like.sizes(), like.options()) : at::empty(like.sizes(), like.options());
+  };
+  at::Tensor dq = allocate(q), dk = allocate(k), dv = allocate(v);
+  if (vs.is_empty() || vs.has_no_keys()) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  at::Tensor const lse_c = lse.contiguous();
+  std::optional<at::Tensor> const dlse_c = dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
+
+  flash::BwdParams params = bwd_params(dout, q, k, v, out, lse_c, dlse_c, dq, dk, dv, s, softmax_scale, options, deterministic);
+  params.varlen = varlen_args(vs, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
+  params.dq_scratch_bytes = int64_t(dq.nbytes());  // contiguous, allocated here
+  at::Tensor const workspace = at::empty({int64_t(kernel.workspace_bytes(params))}, q.options().dtype(at::kByte));
+  params.workspace = workspace.data_ptr();
+  kernel.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {dq, dk, dv};
 }
 
@@ -248,6 +377,15 @@ FLASH_EXT_LIBRARY(FLASH_EXT_OPS_NAMESPACE, m) {
       "bwd_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale, "
       "bool causal, bool deterministic, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int window_left=-1, "
       "int window_right=-1, float softcap=0.0) -> ()");
+  m.def(
+      "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, "
+      "Tensor? seqused_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left=-1, "
+      "int window_right=-1, float softcap=0.0) -> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
+      "bool causal, bool deterministic, int window_left=-1, int window_right=-1, float softcap=0.0) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("build_info() -> str", &build_info);
 }
 
@@ -256,11 +394,15 @@ FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CUDA, m) {
   m.impl("fwd", &mha_fwd);
   m.impl("bwd", &mha_bwd);
   m.impl("bwd_out", &mha_bwd_out);
+  m.impl("fwd_varlen", &mha_fwd_varlen);
+  m.impl("bwd_varlen", &mha_bwd_varlen);
 }
 FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CPU, m) {
   m.impl("fwd", &mha_fwd);
   m.impl("bwd", &mha_bwd);
   m.impl("bwd_out", &mha_bwd_out);
+  m.impl("fwd_varlen", &mha_fwd_varlen);
+  m.impl("bwd_varlen", &mha_bwd_varlen);
 }
 
 // `import flash_ext._C` loads this library, whose static initialisers above register the ops. The module

@@ -13,6 +13,8 @@ logsumexp of the logits actually used. Queries that see no key get out = 0 and l
   (the kernel's max error vs attention_ref must stay within ~2x that of attention_lowp).
 - attention_autograd: the same two computations (float64, or the inputs' dtype as PyTorch's math attention
   runs it), differentiable through torch.autograd and returning (out, lse): the reference of the backward.
+- attention_varlen_ref / attention_varlen_lowp / attention_varlen_autograd: the three above for a batch of
+  variable-length sequences packed without padding (flash_attn_varlen_func's layouts), sequence by sequence.
 - attention_fp8_emulation: the FP8 forward's arithmetic in float64 except for its two roundings to e4m3
   (the inputs, given already quantized, and P scaled by 2^max_offset): the yardstick of the FP8 error rule.
 - softmax_three_pass / softmax_online_two_pass: the seed's strategies 1 and 2 on the rows of a 2-D tensor.
@@ -265,6 +267,121 @@ def attention_autograd(q, k, v, softmax_scale=None, causal=False, upcast=True, w
     probs = torch.softmax(scores, dim=-1) * any_visible[:, None].to(soft)
     out = torch.matmul(probs.to(compute), vh).transpose(1, 2)
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Variable-length batches
+# ----------------------------------------------------------------------------------------------------------
+#
+# Layout: q (total_q, nheads, headdim), k/v (total_k, nheads_kv, headdim); sequence b owns rows
+# cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k/v, of which only the
+# first seqused_q[b] (seqused_k[b]) take part when seqused is given. Each sequence is the dense problem of
+# its used rows (masks bottom-right aligned to its own block); out is 0 and lse -inf on every other row.
+# lse is (nheads, total_q).
+
+def _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    """[(q_start, used_q, k_start, used_k)] per sequence, from host copies of the offsets. ValueError when
+    they do not describe q and k (the reference has no meaning for them)."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"expected q (total_q, h, d) and k, v (total_k, h_kv, d), got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"incompatible q {tuple(q.shape)} and k/v {tuple(k.shape)}")
+    cu_q, cu_k = (torch.as_tensor(c).tolist() for c in (cu_seqlens_q, cu_seqlens_k))
+    batch = len(cu_q) - 1
+    if len(cu_k) != len(cu_q) or batch < 0 or cu_q[0] != 0 or cu_k[0] != 0 or cu_q[-1] != q.shape[0] \
+            or cu_k[-1] != k.shape[0] or any(b < a for c in (cu_q, cu_k) for a, b in zip(c, c[1:])):
+        raise ValueError(f"cu_seqlens_q {cu_q} and cu_seqlens_k {cu_k} do not split q ({q.shape[0]} rows) and k "
+                         f"({k.shape[0]} rows) into the same number of sequences")
+    used = [None if t is None else torch.as_tensor(t).tolist() for t in (seqused_q, seqused_k)]
+    if any(u is not None and len(u) != batch for u in used):
+        raise ValueError(f"seqused_q / seqused_k must have one entry per sequence ({batch})")
+    spans = []
+    for b in range(batch):
+        len_q, len_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        used_q = len_q if used[0] is None else used[0][b]
+        used_k = len_k if used[1] is None else used[1][b]
+        if not (0 <= used_q <= len_q and 0 <= used_k <= len_k):
+            raise ValueError(f"sequence {b}: seqused ({used_q}, {used_k}) outside its lengths ({len_q}, {len_k})")
+        spans.append((cu_q[b], used_q, cu_k[b], used_k))
+    return spans
+
+
+def _varlen_check_options(causal, window_size, softcap):
+    """The same argument rules as the dense references, also for a batch whose sequences are all empty."""
+    _band(causal, window_size)
+    return _check_softcap(softcap)
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         softcap=0.0, seqused_q=None, seqused_k=None):
+    """attention_ref for a packed variable-length batch (layout above), sequence by sequence in float64.
+
+    Returns out (total_q, nheads, headdim) and lse (nheads, total_q), both float64; rows outside every
+    sequence's used range, rows that see no key and the rows of a sequence without keys get out = 0,
+    lse = -inf. The default scale is 1/sqrt(headdim), as for the whole batch."""
+    spans = _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    softcap = _varlen_check_options(causal, window_size, softcap)
+    scale = _default_scale(softmax_scale, q.shape[-1])
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float64, device=q.device)
+    for q0, nq, k0, nk in spans:
+        if nq == 0 or nk == 0:
+            continue  # nothing to compute: no rows, or rows that see no key (out 0, lse -inf as filled)
+        o, l = attention_ref(q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk], scale, causal,
+                             window_size, softcap)
+        out[q0:q0 + nq] = o[0]
+        lse[:, q0:q0 + nq] = l[0]
+    return out, lse
+
+
+def attention_varlen_lowp(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, window_size=(-1, -1),
+                          softcap=0.0, seqused_q=None, seqused_k=None):
+    """attention_lowp (PyTorch's attention in the inputs' dtype, the error rule's baseline) for a packed
+    variable-length batch, sequence by sequence. Returns out (total_q, nheads, headdim) in q's dtype, 0 on
+    the rows attention_varlen_ref gives 0."""
+    spans = _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    softcap = _varlen_check_options(causal, window_size, softcap)
+    scale = _default_scale(softmax_scale, q.shape[-1])
+    out = torch.zeros_like(q)
+    for q0, nq, k0, nk in spans:
+        if nq and nk:
+            out[q0:q0 + nq] = attention_lowp(q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk], scale,
+                                             causal, window_size, softcap)[0]
+    return out
+
+
+def attention_varlen_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, upcast=True,
+                              window_size=(-1, -1), softcap=0.0, seqused_q=None, seqused_k=None):
+    """attention_autograd for a packed variable-length batch: (out (total_q, nheads, headdim), lse (nheads,
+    total_q)), differentiable, in float64 (upcast=True) or as PyTorch's math attention runs in the inputs'
+    dtype (upcast=False; lse float32). The unused rows are constant zeros (out) and -inf (lse), so their
+    gradients, and those of unused keys, are 0. Keys that no computed row reads are not in the graph at all
+    (autograd.grad then needs allow_unused=True, materialize_grads=True)."""
+    spans = _varlen_spans(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    softcap = _varlen_check_options(causal, window_size, softcap)
+    scale = _default_scale(softmax_scale, q.shape[-1])
+    compute = torch.float64 if upcast else q.dtype
+    soft = torch.float64 if upcast else torch.float32
+    nheads, headdim = q.shape[1], q.shape[2]
+    outs, lses = [], []
+
+    def blank(rows):  # rows that take no part: out 0, lse -inf, no gradient
+        outs.append(torch.zeros(rows, nheads, headdim, dtype=compute, device=q.device))
+        lses.append(torch.full((nheads, rows), -math.inf, dtype=soft, device=q.device))
+
+    cu_q = torch.as_tensor(cu_seqlens_q).tolist()
+    outs.append(q[:0].to(compute))  # no rows: keeps out in q's graph when no sequence has a computed row
+    for b, (q0, nq, k0, nk) in enumerate(spans):
+        if nq and nk:
+            o, l = attention_autograd(q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk], scale, causal,
+                                      upcast, window_size, softcap)
+            outs.append(o[0].to(compute))
+            lses.append(l[0].to(soft))
+        else:
+            blank(nq)
+        blank(cu_q[b + 1] - q0 - nq)  # the sequence's rows past seqused_q
+    lses.append(torch.empty(nheads, 0, dtype=soft, device=q.device))
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 #include "layouts.h"
 #include "mask.h"
 #include "softcap.h"
+#include "varlen.h"
 
 namespace flash {
 
@@ -28,6 +29,11 @@ struct BwdWork {
   int n_block, kv_head, batch;
   int group;  // query heads per K/V head
   int m_block_min, num_m_blocks;
+  Band band;  // the keys each query of the batch entry's sequence sees (mask.h)
+  // Block (of kBlockM rows) of the first statistics of query head 0 (Sequences::stats_base / kBlockM); each
+  // further head's start stats_head_blocks later. (Blocks, not rows: fewer registers for the consumers.)
+  int stats_block0, stats_head_blocks;
+  __device__ __forceinline__ int stats_block(int i) const { return stats_block0 + head(i) * stats_head_blocks + m_block(i); }
   __device__ __forceinline__ int count() const { return group * num_m_blocks; }
   __device__ __forceinline__ int head(int i) const { return kv_head * group + i / num_m_blocks; }
   __device__ __forceinline__ int m_block(int i) const { return m_block_min + i % num_m_blocks; }
@@ -36,7 +42,7 @@ struct BwdWork {
   // scores need the mask (an edge of the band or the end of the keys crosses them), so the consumers
   // compile one masked and one unmasked path.
   template <int kBlockM, int kBlockN, bool kBanded, class Step>
-  __device__ __forceinline__ void for_each_block(Band const& band, Step&& step) const {
+  __device__ __forceinline__ void for_each_block(Step&& step) const {
     BlockRange<kBlockM, kBlockN, kBanded> const blocks{band};
     bool const partial_n_block = (n_block + 1) * kBlockN > band.seqlen_k;
     int const m_block_right_unmasked = kBanded ? blocks.m_block_right_unmasked(n_block) : 0;
@@ -72,7 +78,14 @@ struct BwdLoads {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> smem_do;
     alignas(128) float smem_lse[cosize_v<SmemLayoutLSE>];
     alignas(128) float smem_dpsum[cosize_v<SmemLayoutdPsum>];
+    // Facts of the CTA's K/V block the consumers read back where they need them (shared_band) rather than
+    // hold in registers through the mainloop: d128 non-causal ran out of registers with its sequence's
+    // lengths in them (ptxas serialised its GEMMs: -10%). Written before the CTA's first barrier.
+    Band band;
+    TmaRows k_rows;
+    int stats_block0;
   };
+
   struct BarrierStorage {
     alignas(16) BarrierKV barrier_kv;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
@@ -94,28 +107,46 @@ struct BwdLoads {
     GmemShape shape_q, shape_k;  // dO has q's shape, V k's
     TmaQ tma_q, tma_do;
     TmaKV tma_k, tma_v;
-    float const* lse_log2;  // (batch, nheads, seqlen_q_rounded): the preprocess kernel's
+    float const* lse_log2;  // per query row, in blocks (Sequences::stats_base): the preprocess kernel's
     float const* dpsum;     // likewise
-    Band band;  // the keys each query sees (mask.h): the causal kernels read the window from it
-    int seqlen_q_rounded, nheads;
+    Sequences seqs;         // each sequence's lengths and rows (varlen.h)
+    int stats_head_blocks;  // Sequences::stats_head_stride / kBlockM, a kernel parameter rather than a register
+    int band_left, band_right;  // the window's sides (Band::side): read by the causal kernels (band())
     ScoreScales scales;  // softmax scale and softcap (softcap.h)
   };
 
-  static Params to_params(BwdParams const& p, float const* lse_log2, float const* dpsum, int seqlen_q_rounded) {
-    GmemShape const shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
-    GmemShape const shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_kv, p.batch);
-    return {shape_q,
-            shape_k,
-            make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.q, shape_q), take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.dout, shape_q), take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.k, shape_k), SmemLayoutK{}, TileK{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, make_gmem_bshd<Element const>(p.v, shape_k), SmemLayoutK{}, TileK{}, _1{}),
+  // `packed`: where VarlenPrepare writes the sequences of a varlen call.
+  static Params to_params(BwdParams const& p, float const* lse_log2, float const* dpsum, SeqInfo const* packed) {
+    bool const varlen = p.varlen.enabled();
+    auto rows_q = [&](StridedTensor const& t) {
+      return make_gmem_rows<Element const>(t, p.seqlen_q, p.headdim, p.nheads, p.batch, varlen, p.varlen.total_q);
+    };
+    auto rows_k = [&](StridedTensor const& t) {
+      return make_gmem_rows<Element const>(t, p.seqlen_k, p.headdim, p.nheads_kv, p.batch, varlen, p.varlen.total_k);
+    };
+    return {rows_q(p.q).shape(),
+            rows_k(p.k).shape(),
+            make_tma_copy(SM90_TMA_LOAD{}, rows_q(p.q), take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, rows_q(p.dout), take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, rows_k(p.k), SmemLayoutK{}, TileK{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, rows_k(p.v), SmemLayoutK{}, TileK{}, _1{}),
             lse_log2,
             dpsum,
-            Band::make(p.seqlen_q, p.seqlen_k, p.options.window_left, p.options.window_right),
-            seqlen_q_rounded,
-            p.nheads,
+            Sequences::make(p, packed),
+            int(Sequences::make(p, packed).template stats_rows_per_head<kBlockM>() / kBlockM),
+            Band::side(p.options.window_left),
+            Band::side(p.options.window_right),
             ScoreScales::make(p.softmax_scale, p.options.softcap)};
+  }
+
+  // The keys each query of sequence `seq` sees (mask.h).
+  __device__ static Band band(Params const& params, SeqInfo const& seq) {
+    return Band{seq.seqlen_q, seq.seqlen_k, params.band_left, params.band_right};
+  }
+  // The same for the CTA's sequence, read back from shared memory (TensorStorage::band).
+  __device__ static Band shared_band(Params const& params, TensorStorage const& t) {
+    Band const volatile& b = t.band;
+    return Band{b.seqlen_q, b.seqlen_k, params.band_left, params.band_right};
   }
 
   __device__ static void prefetch_descriptors(Params const& params) {
@@ -147,9 +178,11 @@ struct BwdLoads {
     Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(tensors.smem_do.data()), SmemLayoutdO{});
 
-    Tensor gK = local_tile(params.tma_k.get_tma_tensor(params.shape_k)(_, _, work.kv_head, work.batch), TileK{},
+    SeqInfo const seq = params.seqs.at(work.batch);
+    TmaRows const k_rows = params.seqs.k_rows(seq, work.batch);
+    Tensor gK = local_tile(sequence_slice(params.tma_k.get_tma_tensor(params.shape_k), k_rows, work.kv_head), TileK{},
                            make_coord(work.n_block, _0{}));
-    Tensor gV = local_tile(params.tma_v.get_tma_tensor(params.shape_k)(_, _, work.kv_head, work.batch), TileK{},
+    Tensor gV = local_tile(sequence_slice(params.tma_v.get_tma_tensor(params.shape_k), k_rows, work.kv_head), TileK{},
                            make_coord(work.n_block, _0{}));
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
@@ -169,14 +202,17 @@ struct BwdLoads {
         return write_state_do_own;
       }
     }();
+    TmaRows const q_rows = params.seqs.q_rows(seq, work.batch);
     for (int i = 0; i < work.count(); ++i) {
       int const head = work.head(i);
       int const m_block = work.m_block(i);
-      Tensor gQ = local_tile(params.tma_q.get_tma_tensor(params.shape_q)(_, _, head, work.batch), TileQ{}, make_coord(m_block, _0{}));
-      Tensor gdO = local_tile(params.tma_do.get_tma_tensor(params.shape_q)(_, _, head, work.batch), TileQ{}, make_coord(m_block, _0{}));
+      Tensor gQ = local_tile(sequence_slice(params.tma_q.get_tma_tensor(params.shape_q), q_rows, head), TileQ{},
+                             make_coord(m_block, _0{}));
+      Tensor gdO = local_tile(sequence_slice(params.tma_do.get_tma_tensor(params.shape_q), q_rows, head), TileQ{},
+                              make_coord(m_block, _0{}));
       auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      int64_t const row_stats = (int64_t(work.batch) * params.nheads + head) * params.seqlen_q_rounded + m_block * kBlockM;
+      int64_t const row_stats = int64_t(work.stats_block(i)) * kBlockM;
       int const stage_q = write_state_q.index();
       int const stage_do = write_state_do.index();
 

@@ -10,6 +10,7 @@
 #include <cutlass/array.h>
 
 #include "flash.h"
+#include "varlen.h"
 
 namespace flash {
 
@@ -27,18 +28,28 @@ struct BwdPostprocess {
   static constexpr int kSharedStorageBytes = kBlockM * kRowPitch * int(sizeof(Element));
 
   struct Params {
-    float const* accum;  // (batch, nheads, num_m_blocks, kBlockFloats)
+    float const* accum;  // blocks of kBlockFloats, one per block of the statistics' rows (Sequences::stats_base)
     StridedTensor dq;    // 16-byte aligned rows (arg_checks: check_layout)
-    int seqlen_q, nheads, num_m_blocks, headdim;
+    Sequences seqs;
+    int const* stats_block_batch;  // varlen: the batch entry of each block of a head's statistics (varlen.h)
+    int headdim;
     float softmax_scale;
   };
 
-  static dim3 grid(int num_m_blocks, int nheads, int batch) { return dim3(unsigned(num_m_blocks), unsigned(nheads), unsigned(batch)); }
+  // As the preprocess's grid.
+  static dim3 grid(Sequences const& seqs) {
+    return dim3(unsigned(seqs.stats_blocks_per_head<kBlockM>()), unsigned(seqs.nheads), seqs.varlen() ? 1u : unsigned(seqs.batch));
+  }
 
   __device__ static void run(Params const& params, char* smem) {
-    int const m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    int const head = blockIdx.y;
+    int const batch = params.seqs.varlen() ? params.stats_block_batch[blockIdx.x] : int(blockIdx.z);
+    if (batch < 0) { return; }
+    SeqInfo const seq = params.seqs.at(batch);
+    int64_t const stats_base = params.seqs.template stats_base<kBlockM>(seq, batch);
+    int const m_block = int(blockIdx.x) - (params.seqs.varlen() ? int(stats_base / kBlockM) : 0);
     int const thread_idx = threadIdx.x;
-    int64_t const block_index = (int64_t(batch) * params.nheads + head) * params.num_m_blocks + m_block;
+    int64_t const block_index = (stats_base + head * params.seqs.template stats_head_stride<kBlockM>()) / kBlockM + m_block;
     auto const* src = reinterpret_cast<float4 const*>(params.accum + block_index * kBlockFloats);
     auto* tile = reinterpret_cast<Element*>(smem);  // (kBlockM, kRowPitch)
 
@@ -59,8 +70,9 @@ struct BwdPostprocess {
     }
     __syncthreads();
 
-    auto* dq = static_cast<Element*>(params.dq.ptr) + batch * params.dq.batch_stride + head * params.dq.head_stride;
-    int const rows = min(kBlockM, params.seqlen_q - m_block * kBlockM);
+    auto* dq = static_cast<Element*>(params.dq.ptr) + batch * params.dq.batch_stride + head * params.dq.head_stride +
+               seq.start_q * params.dq.row_stride;
+    int const rows = min(kBlockM, seq.seqlen_q - m_block * kBlockM);
     int const chunks_per_row = params.headdim / kChunk;  // the head dim is a multiple of 8 (arg_checks)
     for (int c = thread_idx; c < rows * chunks_per_row; c += kNumThreads) {
       int const row = c / chunks_per_row, col = (c - row * chunks_per_row) * kChunk;

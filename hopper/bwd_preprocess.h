@@ -12,6 +12,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "flash.h"
+#include "varlen.h"
 
 namespace flash {
 
@@ -25,24 +26,35 @@ struct BwdPreprocess {
 
   struct Params {
     StridedTensor o, dout;
-    float const* lse;   // (batch, nheads, seqlen_q)
+    float const* lse;   // the forward's: (batch, nheads, seqlen_q), varlen (nheads, total_q)
     float const* dlse;  // likewise, or nullptr
-    float* lse_log2;    // (batch, nheads, seqlen_q_rounded)
+    float* lse_log2;    // per query row, in blocks (Sequences::stats_base)
     float* dpsum;       // likewise
-    int seqlen_q, seqlen_q_rounded, nheads, headdim;
+    Sequences seqs;
+    int const* stats_block_batch;  // varlen: the batch entry of each block of a head's statistics (varlen.h)
+    int headdim;
   };
 
-  static dim3 grid(int seqlen_q_rounded, int nheads, int batch) {
-    return dim3(unsigned(seqlen_q_rounded / kBlockM), unsigned(nheads), unsigned(batch));
+  // A CTA per block of kBlockM query rows: dense (blocks, heads, batch); varlen, every block of a head's
+  // statistics (those of no sequence return at once).
+  static dim3 grid(Sequences const& seqs) {
+    return dim3(unsigned(seqs.stats_blocks_per_head<kBlockM>()), unsigned(seqs.nheads), seqs.varlen() ? 1u : unsigned(seqs.batch));
   }
 
   __device__ static void run(Params const& params, char* /*smem*/) {
-    int const head = blockIdx.y, batch = blockIdx.z;
+    int const head = blockIdx.y;
+    int const batch = params.seqs.varlen() ? params.stats_block_batch[blockIdx.x] : int(blockIdx.z);
+    if (batch < 0) { return; }
+    SeqInfo const seq = params.seqs.at(batch);
+    int64_t const stats_base = params.seqs.template stats_base<kBlockM>(seq, batch);
+    int const m_block = int(blockIdx.x) - (params.seqs.varlen() ? int(stats_base / kBlockM) : 0);
     int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int64_t const stats_row0 = (int64_t(batch) * params.nheads + head) * params.seqlen_q_rounded;
-    int64_t const lse_row0 = (int64_t(batch) * params.nheads + head) * params.seqlen_q;
-    auto const* o = static_cast<Element const*>(params.o.ptr) + batch * params.o.batch_stride + head * params.o.head_stride;
-    auto const* dout = static_cast<Element const*>(params.dout.ptr) + batch * params.dout.batch_stride + head * params.dout.head_stride;
+    int64_t const stats_row0 = stats_base + head * params.seqs.template stats_head_stride<kBlockM>();
+    int64_t const lse_row0 = params.seqs.lse_row0(seq, batch, head);
+    auto const* o = static_cast<Element const*>(params.o.ptr) + batch * params.o.batch_stride + head * params.o.head_stride +
+                    seq.start_q * params.o.row_stride;
+    auto const* dout = static_cast<Element const*>(params.dout.ptr) + batch * params.dout.batch_stride +
+                       head * params.dout.head_stride + seq.start_q * params.dout.row_stride;
     cutlass::NumericArrayConverter<float, Element, kChunk> to_float;
     // A group of lanes per row, as many as the head dim has chunks (rounded up to a power of two): one
     // row per warp left three quarters of the lanes idle at d64.
@@ -50,13 +62,13 @@ struct BwdPreprocess {
     int const lanes_per_row = chunks <= 8 ? 8 : (chunks <= 16 ? 16 : 32);
     int const rows_per_warp = 32 / lanes_per_row;
     int const chunk = lane % lanes_per_row;
-    int const block_end = (blockIdx.x + 1) * kBlockM;
+    int const block_end = (m_block + 1) * kBlockM;
     // The loop bound is the warp's first row, so that every lane of a warp takes part in each shuffle.
-    for (int warp_row = blockIdx.x * kBlockM + warp * rows_per_warp; warp_row < block_end; warp_row += kNumWarps * rows_per_warp) {
+    for (int warp_row = m_block * kBlockM + warp * rows_per_warp; warp_row < block_end; warp_row += kNumWarps * rows_per_warp) {
       int const row = warp_row + lane / lanes_per_row;
       bool const in_block = row < block_end;
       float dot = 0.f;
-      if (in_block && row < params.seqlen_q && chunk < chunks) {
+      if (in_block && row < seq.seqlen_q && chunk < chunks) {
         auto const o_chunk = to_float(*reinterpret_cast<cutlass::Array<Element, kChunk> const*>(o + row * params.o.row_stride + chunk * kChunk));
         auto const do_chunk = to_float(*reinterpret_cast<cutlass::Array<Element, kChunk> const*>(dout + row * params.dout.row_stride + chunk * kChunk));
         CUTLASS_PRAGMA_UNROLL
@@ -65,7 +77,7 @@ struct BwdPreprocess {
       for (int offset = lanes_per_row / 2; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffffu, dot, offset); }
       if (in_block && chunk == 0) {
         float lse_log2 = INFINITY, dpsum = 0.f;
-        if (row < params.seqlen_q) {
+        if (row < seq.seqlen_q) {
           float const lse = params.lse[lse_row0 + row];
           lse_log2 = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
           dpsum = dot - (params.dlse != nullptr ? params.dlse[lse_row0 + row] : 0.f);

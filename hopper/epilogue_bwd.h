@@ -12,6 +12,7 @@
 #include "layouts.h"
 #include "named_barriers.h"
 #include "utils.h"
+#include "varlen.h"
 
 namespace flash {
 
@@ -30,9 +31,11 @@ struct BwdEpilogue {
   };
 
   static Params to_params(BwdParams const& p) {
-    GmemShape const shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_kv, p.batch);
-    return {shape_k, make_tma_copy(SM90_TMA_STORE{}, make_gmem_bshd<Element>(p.dk, shape_k), SmemLayoutKV{}, TileShapeND{}, _1{}),
-            make_tma_copy(SM90_TMA_STORE{}, make_gmem_bshd<Element>(p.dv, shape_k), SmemLayoutKV{}, TileShapeND{}, _1{})};
+    auto rows_k = [&](StridedTensor const& t) {
+      return make_gmem_rows<Element>(t, p.seqlen_k, p.headdim, p.nheads_kv, p.batch, p.varlen.enabled(), p.varlen.total_k);
+    };
+    return {rows_k(p.dk).shape(), make_tma_copy(SM90_TMA_STORE{}, rows_k(p.dk), SmemLayoutKV{}, TileShapeND{}, _1{}),
+            make_tma_copy(SM90_TMA_STORE{}, rows_k(p.dv), SmemLayoutKV{}, TileShapeND{}, _1{})};
   }
 
   __device__ static void prefetch_descriptors(Params const& params) {
@@ -42,8 +45,9 @@ struct BwdEpilogue {
 
   // All consumer threads. smem_k / smem_v: K's and V's buffers, free once every consumer is past its last GEMM.
   template <class FragdKV>
-  __device__ static void store(Params const& params, Element* smem_k, Element* smem_v, int n_block, int kv_head, int batch,
-                               int thread_idx, FragdKV const& tdKrdK, FragdKV const& tdVrdV) {
+  // k_rows: where the K/V block's sequence is (varlen.h).
+  __device__ static void store(Params const& params, Element* smem_k, Element* smem_v, int n_block, int kv_head,
+                               TmaRows const& k_rows, int thread_idx, FragdKV const& tdKrdK, FragdKV const& tdVrdV) {
     Tensor sdK = make_tensor(make_smem_ptr(smem_k), SmemLayoutKV{});
     Tensor sdV = make_tensor(make_smem_ptr(smem_v), SmemLayoutKV{});
     Tensor tdKrdK_out = make_tensor_like<Element>(tdKrdK);
@@ -71,9 +75,9 @@ struct BwdEpilogue {
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA unit
     cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kEpilogue));
     if (thread_idx == 0) {
-      Tensor gdK = local_tile(params.tma_dk.get_tma_tensor(params.shape_k)(_, _, kv_head, batch), TileShapeND{},
+      Tensor gdK = local_tile(sequence_slice(params.tma_dk.get_tma_tensor(params.shape_k), k_rows, kv_head), TileShapeND{},
                               make_coord(n_block, _0{}));
-      Tensor gdV = local_tile(params.tma_dv.get_tma_tensor(params.shape_k)(_, _, kv_head, batch), TileShapeND{},
+      Tensor gdV = local_tile(sequence_slice(params.tma_dv.get_tma_tensor(params.shape_k), k_rows, kv_head), TileShapeND{},
                               make_coord(n_block, _0{}));
       auto [tdKgdK, tdKsdK] = tma_partition(params.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sdK), group_modes<0, 2>(gdK));
       auto [tdVgdV, tdVsdV] = tma_partition(params.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sdV), group_modes<0, 2>(gdV));

@@ -18,6 +18,7 @@
 #include "named_barriers.h"
 #include "tile_scheduler.h"
 #include "utils.h"
+#include "varlen.h"
 
 namespace flash {
 
@@ -40,20 +41,21 @@ struct FwdEpilogue {
   struct Params {
     GmemShape shape_o;
     TmaO tma_o;
-    float* lse;  // (batch, nheads, seqlen_q)
-    int seqlen_q, nheads;
+    float* lse;  // (batch, nheads, seqlen_q); varlen (nheads, total_q)
+    Sequences seqs;
   };
 
-  static Params to_params(FwdParams const& p) {
-    GmemShape const shape_o = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
-    auto const mO = make_gmem_bshd<ElementOut>(p.o, shape_o);
-    return {shape_o, make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, TileShapeMD{}, _1{}), p.lse, p.seqlen_q, p.nheads};
+  static Params to_params(FwdParams const& p, SeqInfo const* packed) {
+    auto const mO = make_gmem_rows<ElementOut>(p.o, p.seqlen_q, p.headdim, p.nheads, p.batch, p.varlen.enabled(),
+                                               p.varlen.total_q);
+    return {mO.shape(), make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, TileShapeMD{}, _1{}), p.lse,
+            Sequences::make(p, packed)};
   }
 
   __device__ static void prefetch_descriptors(Params const& params) { prefetch_tma_descriptor(params.tma_o.get_tma_descriptor()); }
 
   template <class FragO, class FragLse, class ReleaseInputBuffer>
-  __device__ static void store(Params const& params, ElementOut* smem_o, TileCoord const& tile, int thread_idx,
+  __device__ static void store(Params const& params, ElementOut* smem_o, TileCoord const& tile, SeqInfo const& seq, int thread_idx,
                                FragO const& tOrO, FragLse const& lse, ReleaseInputBuffer&& release_input_buffer) {
     int const m_block = tile.block;
     Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
@@ -84,16 +86,16 @@ struct FwdEpilogue {
     Tensor coords = thread_mma_pv.partition_C(make_identity_tensor(TileShapeMD{}));
     Tensor coords_rc = make_tensor(coords.data(), acc_layout_rowcol(coords.layout()));
     static_assert(decltype(size<0>(coords_rc))::value == decltype(size(lse))::value);
-    float* lse_row0 = params.lse + (int64_t(tile.batch) * params.nheads + tile.head) * params.seqlen_q;
+    float* lse_row0 = params.lse + params.seqs.lse_row0(seq, tile.batch, tile.head);
     CUTLASS_PRAGMA_UNROLL
     for (int mi = 0; mi < size(lse); ++mi) {
       int const row = m_block * kBlockM + int(get<0>(coords_rc(mi, 0)));
-      if (int(get<1>(coords_rc(mi, 0))) == 0 && row < params.seqlen_q) { lse_row0[row] = lse(mi); }
+      if (int(get<1>(coords_rc(mi, 0))) == 0 && row < seq.seqlen_q) { lse_row0[row] = lse(mi); }
     }
 
     cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
     if (thread_idx == 0) {
-      Tensor mO = params.tma_o.get_tma_tensor(params.shape_o)(_, _, tile.head, tile.batch);
+      Tensor mO = sequence_slice(params.tma_o.get_tma_tensor(params.shape_o), params.seqs.q_rows(seq, tile.batch), tile.head);
       Tensor gO = local_tile(mO, TileShapeMD{}, make_coord(m_block, _0{}));
       auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO, tOgO);

@@ -35,6 +35,21 @@ struct ScoreOptions {
   float softcap = 0.f;
 };
 
+// Variable-length batches (flash_attn_varlen_func): the sequences are packed along the rows of q, k, v, o
+// ((total, heads, headdim) tensors, batch_stride unused); sequence b owns rows cu_seqlens[b] .. cu_seqlens[b+1]
+// (int32, device memory), of which the first seqused[b] take part where seqused is given. The kernels read
+// the values on the device (varlen.h sanitises them, so that no value makes them access memory out of
+// bounds); FwdParams / BwdParams::seqlen_q / seqlen_k then hold the callers' maxima, and lse is
+// (nheads, total_q).
+struct VarlenArgs {
+  int const* cu_seqlens_q = nullptr;  // nullptr: a dense call
+  int const* cu_seqlens_k = nullptr;
+  int const* seqused_q = nullptr;  // optional
+  int const* seqused_k = nullptr;
+  int total_q = 0, total_k = 0;  // rows of the packed tensors
+  FLASH_HOST_DEVICE bool enabled() const { return cu_seqlens_q != nullptr; }
+};
+
 // FP8 descale factors: float32 (batch, nheads_kv), strides in elements; no tensor means 1.
 struct DescaleTensor {
   float const* ptr = nullptr;
@@ -48,12 +63,13 @@ struct FwdParams {
   // q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim); o has q's shape
   // (bf16 for FP8 inputs).
   StridedTensor q, k, v, o;
-  float* lse;  // (batch, nheads, seqlen_q), contiguous
+  float* lse;  // (batch, nheads, seqlen_q), contiguous; varlen: (nheads, total_q)
   DescaleTensor q_descale, k_descale, v_descale;  // FP8 inputs only
   int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
   int headdim;  // the real head dim; the kernel's may be larger (zero-filled by TMA, clipped on store)
   float softmax_scale;
   ScoreOptions options;
+  VarlenArgs varlen;
   // Consumer warpgroup ping-pong: -1 = the configuration's default, 0 = off, 1 = on (for A/B measurements).
   int pingpong = -1;
   // Persistent launch (one CTA per SM walking tiles): -1 = by the kernel's heuristic, 0 = off, 1 = on.
@@ -66,7 +82,7 @@ struct FwdParams {
 struct BwdParams {
   // Inputs as in FwdParams, plus out (q's shape), dout (q's shape) and lse from the forward.
   StridedTensor q, k, v, o, dout;
-  float const* lse;   // (batch, nheads, seqlen_q), contiguous
+  float const* lse;   // (batch, nheads, seqlen_q), contiguous; varlen: (nheads, total_q)
   float const* dlse;  // the gradient flowing into lse, same layout; nullptr when there is none
   // Outputs: dq like q; dk, dv like k, v (already summed over each group of query heads).
   StridedTensor dq, dk, dv;
@@ -79,6 +95,7 @@ struct BwdParams {
   int headdim;
   float softmax_scale;
   ScoreOptions options;
+  VarlenArgs varlen;
   bool deterministic;  // dQ contributions added in a fixed order: bitwise-reproducible gradients
 };
 

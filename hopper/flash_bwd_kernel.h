@@ -64,34 +64,46 @@ struct BwdKernel {
     typename Loads::Params loads;
     typename Epilogue::Params epilogue;
     typename DqAccum::Params dq;
-    int seqlen_k, nheads_kv, batch, qheads_per_kvhead, num_m_blocks;
+    Scheduler scheduler;
+    int qheads_per_kvhead;
     float softmax_scale;  // dK's factor
   };
 
-  static Params to_params(BwdParams const& p, typename Loads::Params const& loads, typename DqAccum::Params const& dq,
-                          int num_m_blocks) {
-    return {loads, Epilogue::to_params(p), dq, p.seqlen_k, p.nheads_kv, p.batch, p.nheads / p.nheads_kv,
-            num_m_blocks, p.softmax_scale};
+  // Dense calls number their tiles; varlen calls walk VarlenPrepare's list (`varlen_tiles`, at most max_tiles).
+  static Scheduler scheduler(BwdParams const& p, TileList varlen_tiles, int max_tiles) {
+    if (p.varlen.enabled()) { return Scheduler(varlen_tiles, max_tiles); }
+    return Scheduler(p.seqlen_k, p.nheads_kv, p.batch, reverse_blocks(p.deterministic));
   }
 
-  static dim3 grid(BwdParams const& p) {
-    return Scheduler(p.seqlen_k, p.nheads_kv, p.batch, reverse_blocks(p.deterministic)).grid(/*persistent=*/false, 0);
+  static Params to_params(BwdParams const& p, typename Loads::Params const& loads, typename DqAccum::Params const& dq,
+                          Scheduler const& scheduler) {
+    return {loads, Epilogue::to_params(p), dq, scheduler, p.nheads / p.nheads_kv, p.softmax_scale};
   }
 
   __device__ static void run(Params const& params, char* smem) {
     using PipelineQ = typename Loads::PipelineQ;
     using PipelinedO = typename Loads::PipelinedO;
-    BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{params.loads.band};
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
+    // Varlen grids are sized by a bound on the tiles: a CTA past the list's end has none.
+    if (!params.scheduler.valid(int(blockIdx.x))) { return; }
 
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     int const warp_idx = cutlass::canonical_warp_idx_sync();
     bool const is_producer_thread = threadIdx.x == 0;
 
+    bool const reverse = reverse_blocks(params.dq.deterministic);
+    TileCoord const tile = params.scheduler.coord(int(blockIdx.x));
+
     if (warp_idx == 0 && cute::elect_one_sync()) {
       Loads::prefetch_descriptors(params.loads);
       Epilogue::prefetch_descriptors(params.epilogue);
       Loads::init_barriers(storage.barriers);
+      // The CTA's sequence, for every thread (Loads::TensorStorage), published by the __syncthreads below.
+      Sequences const& seqs = params.loads.seqs;
+      SeqInfo const seq = seqs.at(tile.batch);
+      storage.loaded.band = Loads::band(params.loads, seq);
+      storage.loaded.k_rows = seqs.k_rows(seq, tile.batch);
+      storage.loaded.stats_block0 = int(seqs.template stats_base<kBlockM>(seq, tile.batch) / kBlockM);
     }
     bool const is_producer_warpgroup = warp_group_idx == 0;
     PipelineQ pipeline_q(storage.barriers.pipeline_q,
@@ -102,24 +114,29 @@ struct BwdKernel {
                           Shape<_1, _1, _1>{});
     __syncthreads();
 
-    bool const reverse = reverse_blocks(params.dq.deterministic);
-    TileCoord const tile = Scheduler(params.seqlen_k, params.nheads_kv, params.batch, reverse).coord(int(blockIdx.x));
+    Band const band = Loads::shared_band(params.loads, storage.loaded);
+    BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{band};
     int const m_block_min = blocks.m_block_min(tile.block);
     BwdWork const work{tile.block,
                        tile.head,
                        tile.batch,
                        params.qheads_per_kvhead,
                        m_block_min,
-                       max(0, blocks.m_block_max(tile.block) - m_block_min)};
-    // The accumulator block of the i-th query block, and this CTA's place among the K/V blocks that add to
-    // it ([n_block_min, n_block_max) of that query block, in start order) for deterministic mode.
+                       max(0, blocks.m_block_max(tile.block) - m_block_min),
+                       band,
+                       storage.loaded.stats_block0,
+                       params.loads.stats_head_blocks};
+    // The accumulator block of the i-th query block (the statistics' rows, in blocks), and this CTA's place
+    // among the K/V blocks that add to it ([n_block_min, n_block_max) of that query block, in start order)
+    // for deterministic mode. Both read the CTA's facts from shared memory (bwd_loads.h: TensorStorage).
     auto dq_block_index = [&](int i) {
-      return (int64_t(work.batch) * params.qheads_per_kvhead * params.nheads_kv + work.head(i)) * params.num_m_blocks +
-             work.m_block(i);
+      int const volatile& block0 = storage.loaded.stats_block0;
+      return int64_t(block0 + work.head(i) * work.stats_head_blocks + work.m_block(i));
     };
     auto dq_rank = [&](int i) {
-      return reverse ? blocks.n_block_max(work.m_block(i)) - 1 - work.n_block
-                     : work.n_block - blocks.n_block_min(work.m_block(i));
+      BlockRange<kBlockM, kBlockN, kIsCausal> const shared_blocks{Loads::shared_band(params.loads, storage.loaded)};
+      return reverse ? shared_blocks.n_block_max(work.m_block(i)) - 1 - work.n_block
+                     : work.n_block - shared_blocks.n_block_min(work.m_block(i));
     };
 
     if (warp_group_idx == 0) {
@@ -155,8 +172,9 @@ struct BwdKernel {
                     });
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(tdKrdK); ++i) { tdKrdK(i) *= params.softmax_scale; }
+      TmaRows const volatile& k_rows = storage.loaded.k_rows;
       Epilogue::store(params.epilogue, storage.loaded.smem_k.data(), storage.loaded.smem_v.data(), work.n_block, work.kv_head,
-                      work.batch, thread_idx, tdKrdK, tdVrdV);
+                      TmaRows{k_rows.row_shift, k_rows.batch_coord}, thread_idx, tdKrdK, tdVrdV);
     }
   }
 };

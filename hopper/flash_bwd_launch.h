@@ -11,47 +11,59 @@
 #include "kernel_launch.h"
 #include "kernel_registry.h"
 #include "tile_size.h"
+#include "varlen.h"
 
 namespace flash {
 
 // The scratch memory of one call: the fp32 dQ accumulator and, in deterministic mode only, its semaphores
-// (both zeroed before the main kernel), carved from BwdParams::workspace; and LSE_log2 and dPsum per query
-// row, which live in dq's own memory when it can hold them (dq is written only by the postprocess, after
-// the main kernel's last read of them), else in the workspace too. So the backward's peak memory is its
-// outputs plus the accumulator.
-template <int kBlockM, int kHeadDim>
+// (both zeroed before the main kernel), and VarlenPrepare's region for varlen calls, carved from
+// BwdParams::workspace; and LSE_log2 and dPsum per query row, which live in dq's own memory when it can hold
+// them (dq is written only by the postprocess, after the main kernel's last read of them), else in the
+// workspace too. So the backward's peak memory is its outputs plus the accumulator. The accumulator and the
+// statistics come in blocks of kBlockM query rows (varlen.h: Sequences::stats_base).
+template <int kBlockM, int kBlockN, int kHeadDim>
 struct BwdWorkspace {
   static constexpr size_t kAlign = 256;
-  int num_m_blocks, seqlen_q_rounded;
-  size_t accum_bytes, semaphore_bytes, stats_floats;
+  bool varlen;
+  int64_t stats_rows;  // rows of LSE_log2 (and of dPsum, and of the accumulator)
+  size_t accum_bytes, semaphore_bytes, varlen_bytes;
   bool stats_in_dq;
+  VarlenWorkspace varlen_ws;
 
   static size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
   explicit BwdWorkspace(BwdParams const& p)
-      : num_m_blocks(ceil_div(p.seqlen_q, kBlockM)),
-        seqlen_q_rounded(num_m_blocks * kBlockM),
-        accum_bytes(aligned(size_t(p.batch) * p.nheads * seqlen_q_rounded * kHeadDim * sizeof(float))),
-        semaphore_bytes(p.deterministic ? aligned(size_t(p.batch) * p.nheads * num_m_blocks * sizeof(int)) : 0),
-        stats_floats(size_t(p.batch) * p.nheads * seqlen_q_rounded),
-        stats_in_dq(2 * stats_floats * sizeof(float) <= size_t(p.dq_scratch_bytes)) {}
+      : varlen(p.varlen.enabled()),
+        stats_rows(Sequences::stats_rows_per_head<kBlockM>(varlen, p.seqlen_q, p.batch, p.varlen.total_q) * p.nheads *
+                   (varlen ? 1 : p.batch)),
+        accum_bytes(aligned(size_t(stats_rows) * kHeadDim * sizeof(float))),
+        semaphore_bytes(p.deterministic ? aligned(size_t(stats_rows / kBlockM) * sizeof(int)) : 0),
+        // Tiles over K/V blocks, in the kernel's block order; the statistics' blocks of one head.
+        varlen_ws(p.batch, p.varlen.total_k, kBlockN, p.nheads_kv,
+                  varlen ? int(Sequences::stats_rows_per_head<kBlockM>(true, p.seqlen_q, p.batch, p.varlen.total_q) / kBlockM) : 0) {
+    varlen_bytes = varlen ? varlen_ws.bytes : 0;
+    stats_in_dq = 2 * size_t(stats_rows) * sizeof(float) <= size_t(p.dq_scratch_bytes);
+  }
 
   size_t zeroed_bytes() const { return accum_bytes + semaphore_bytes; }
-  size_t total() const { return zeroed_bytes() + (stats_in_dq ? 0 : 2 * stats_floats * sizeof(float)); }
+  size_t total() const { return zeroed_bytes() + varlen_bytes + (stats_in_dq ? 0 : 2 * size_t(stats_rows) * sizeof(float)); }
   static char* base(BwdParams const& p) { return static_cast<char*>(p.workspace); }
   float* accum(BwdParams const& p) const { return reinterpret_cast<float*>(base(p)); }
   int* semaphores(BwdParams const& p) const { return p.deterministic ? reinterpret_cast<int*>(base(p) + accum_bytes) : nullptr; }
+  void* varlen_base(BwdParams const& p) const { return base(p) + zeroed_bytes(); }
+  SeqInfo const* packed(BwdParams const& p) const { return varlen ? varlen_ws.seqs(varlen_base(p)) : nullptr; }
+  int const* stats_block_batch(BwdParams const& p) const { return varlen ? varlen_ws.stats_block_batch(varlen_base(p)) : nullptr; }
   float* lse_log2(BwdParams const& p) const {
-    return stats_in_dq ? static_cast<float*>(p.dq.ptr) : reinterpret_cast<float*>(base(p) + zeroed_bytes());
+    return stats_in_dq ? static_cast<float*>(p.dq.ptr) : reinterpret_cast<float*>(base(p) + zeroed_bytes() + varlen_bytes);
   }
-  float* dpsum(BwdParams const& p) const { return lse_log2(p) + stats_floats; }
+  float* dpsum(BwdParams const& p) const { return lse_log2(p) + stats_rows; }
 };
 
 template <class Element, int kHeadDim, bool kIsCausal>
 struct BwdLauncher {
   using Config = BwdConfig<Element, kHeadDim, kIsCausal>;
   using Kernel = BwdKernel<Config>;
-  using Workspace = BwdWorkspace<Config::kBlockM, kHeadDim>;
+  using Workspace = BwdWorkspace<Config::kBlockM, Config::kBlockN, kHeadDim>;
   using Preprocess = BwdPreprocess<Element, Config::kBlockM>;
   using Postprocess = BwdPostprocess<Element, Config::kBlockM, kHeadDim, typename Kernel::Mainloop::TiledMmadQ,
                                      typename Kernel::Mainloop::DqTile, Kernel::Mainloop::kDqTransposed,
@@ -63,18 +75,26 @@ struct BwdLauncher {
     int const device = current_device();
     Workspace const ws(p);
     FLASH_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, ws.zeroed_bytes(), stream));
+    if (ws.varlen) {
+      StridedTensor const no_out{nullptr, 0, 0, 0};
+      auto const prepare = ws.varlen_ws.params(p.varlen, p.seqlen_q, p.seqlen_k, ws.varlen_base(p), Config::kBlockN,
+                                               /*tile_keys=*/true, p.nheads_kv, Kernel::reverse_blocks(p.deterministic),
+                                               no_out, nullptr, p.headdim, Config::kBlockM);
+      launch_kernel<VarlenPrepare>(dim3(1), prepare, device, stream);
+    }
+    Sequences const seqs = Sequences::make(p, ws.packed(p));
 
-    typename Preprocess::Params const pre{p.o, p.dout, p.lse, p.dlse, ws.lse_log2(p), ws.dpsum(p), p.seqlen_q,
-                                          ws.seqlen_q_rounded, p.nheads, p.headdim};
-    launch_kernel<Preprocess>(Preprocess::grid(ws.seqlen_q_rounded, p.nheads, p.batch), pre, device, stream);
+    typename Preprocess::Params const pre{p.o, p.dout, p.lse, p.dlse, ws.lse_log2(p), ws.dpsum(p), seqs, ws.stats_block_batch(p),
+                                          p.headdim};
+    launch_kernel<Preprocess>(Preprocess::grid(seqs), pre, device, stream);
 
-    auto const loads = Kernel::Loads::to_params(p, ws.lse_log2(p), ws.dpsum(p), ws.seqlen_q_rounded);
+    auto const loads = Kernel::Loads::to_params(p, ws.lse_log2(p), ws.dpsum(p), ws.packed(p));
     typename Kernel::DqAccum::Params const dq{ws.accum(p), ws.semaphores(p), p.deterministic};
-    launch_kernel<Kernel>(Kernel::grid(p), Kernel::to_params(p, loads, dq, ws.num_m_blocks), device, stream);
+    auto const scheduler = Kernel::scheduler(p, ws.varlen_ws.tiles(ws.varlen_base(p)), ws.varlen_ws.max_tiles);
+    launch_kernel<Kernel>(scheduler.grid(/*persistent=*/false, 0), Kernel::to_params(p, loads, dq, scheduler), device, stream);
 
-    typename Postprocess::Params const post{ws.accum(p), p.dq, p.seqlen_q, p.nheads, ws.num_m_blocks, p.headdim,
-                                            p.softmax_scale};
-    launch_kernel<Postprocess>(Postprocess::grid(ws.num_m_blocks, p.nheads, p.batch), post, device, stream);
+    typename Postprocess::Params const post{ws.accum(p), p.dq, seqs, ws.stats_block_batch(p), p.headdim, p.softmax_scale};
+    launch_kernel<Postprocess>(Postprocess::grid(seqs), post, device, stream);
   }
 };
 

@@ -18,6 +18,7 @@
 #include "mask.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
+#include "varlen.h"
 
 namespace flash {
 
@@ -64,33 +65,50 @@ struct FwdLaunchPolicy {
       Band const band = Band::make(p.seqlen_q, p.seqlen_k, p.options.window_left, p.options.window_right);
       key_span = std::min<int64_t>(p.seqlen_k, int64_t(band.left) + band.right + Config::kBlockM);
     }
-    bool persistent = kPersistentCapable && ceil_div(key_span, Config::kBlockN) <= kPersistentMaxBlocks;
+    // Varlen tiles differ in length like causal ones, whatever the longest sequence: persistent CTAs drawing
+    // them longest first (d128 causal, 16 sequences of 418..6467 keys: 0.90x -> 0.98x the TFLOP/s of a dense
+    // batch of the same work; perf-notes section 23).
+    bool persistent = kPersistentCapable && (p.varlen.enabled() || ceil_div(key_span, Config::kBlockN) <= kPersistentMaxBlocks);
     if (p.persistent >= 0) { persistent = kPersistentCapable && p.persistent != 0; }
-    return {persistent, persistent && Config::kIsCausal};
+    return {persistent, persistent && (Config::kIsCausal || p.varlen.enabled())};
   }
-  // The tile counter of dynamic launches.
-  static size_t workspace_bytes(FwdParams const& p) { return launch_mode(p).dynamic ? sizeof(int) : 0; }
+  // Workspace: varlen calls' sequences and tile list (VarlenPrepare's), then the tile counter of dynamic
+  // launches.
+  static VarlenWorkspace varlen_workspace(FwdParams const& p) {
+    return VarlenWorkspace(p.batch, p.varlen.total_q, Config::kBlockM, p.nheads, /*stats_blocks=*/0);
+  }
+  static size_t counter_offset(FwdParams const& p) { return p.varlen.enabled() ? varlen_workspace(p).bytes : 0; }
+  static size_t workspace_bytes(FwdParams const& p) {
+    return counter_offset(p) + (launch_mode(p).dynamic ? sizeof(int) : 0);
+  }
+  static int* counter(FwdParams const& p) {
+    return launch_mode(p).dynamic ? VarlenWorkspace::at<int>(p.workspace, counter_offset(p)) : nullptr;
+  }
+  static SeqInfo const* packed_sequences(FwdParams const& p) {
+    return p.varlen.enabled() ? varlen_workspace(p).seqs(p.workspace) : nullptr;
+  }
+  // VarlenPrepare's parameters: tiles over query blocks, in the kernel's block order.
+  static VarlenPrepare::Params varlen_prepare(FwdParams const& p) {
+    return varlen_workspace(p).params(p.varlen, p.seqlen_q, p.seqlen_k, p.workspace, Config::kBlockM, /*tile_keys=*/false,
+                                      p.nheads, kLongestFirst, p.o, p.lse, p.headdim, /*stats_block=*/Config::kBlockM);
+  }
 
   // Causal: longest first. Persistent CTAs draw from the counter, over groups of heads whose K/V fit in L2;
   // one CTA per tile keeps one head's blocks together (grouping measured 2-6% slower there at 8k-16k:
   // perf-notes section 15).
   static Scheduler scheduler(FwdParams const& p) {
     auto const mode = launch_mode(p);
+    if (p.varlen.enabled()) {  // longest sequences first, each in the block order below
+      VarlenWorkspace const ws = varlen_workspace(p);
+      return Scheduler(ws.tiles(p.workspace), ws.max_tiles, counter(p));
+    }
     int64_t const kv_bytes_per_head = int64_t(p.seqlen_k) * Config::kHeadDim * 2 * int(sizeof(typename Config::Element));
     int const heads_per_group = kLongestFirst && mode.persistent
                                     ? Scheduler::l2_heads_per_group(kv_bytes_per_head, p.nheads / p.nheads_kv, p.nheads * p.batch)
                                     : 1;
-    int* counter = mode.dynamic ? static_cast<int*>(p.workspace) : nullptr;
-    return Scheduler(p.seqlen_q, p.nheads, p.batch, kLongestFirst, heads_per_group, counter);
+    return Scheduler(p.seqlen_q, p.nheads, p.batch, kLongestFirst, heads_per_group, counter(p));
   }
 };
-
-// threadIdx.x - 128 (the consumer index), which the compiler cannot move across loop iterations.
-__device__ __forceinline__ int opaque_thread_idx() {
-  int tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  return tid - cutlass::NumThreadsPerWarpGroup;
-}
 
 template <class Config, bool kPersistent>
 struct FwdKernel {
@@ -157,12 +175,16 @@ struct FwdKernel {
   };
 
   static Params to_params(FwdParams const& p) {
-    return {Mainloop::to_params(p), Epilogue::to_params(p), Policy::scheduler(p)};
+    SeqInfo const* packed = Policy::packed_sequences(p);
+    return {Mainloop::to_params(p, packed), Epilogue::to_params(p, packed), Policy::scheduler(p)};
   }
 
   __device__ static void run(Params const& params, char* smem) {
     using PipelineKV = typename Mainloop::PipelineKV;
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
+    Scheduler const& scheduler = params.scheduler;
+    // Varlen grids are sized by a bound on the tiles: a CTA past the list's end has none.
+    if (!kPersistent && !scheduler.valid(scheduler.first())) { return; }
 
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     int const warp_idx = cutlass::canonical_warp_idx_sync();
@@ -177,15 +199,15 @@ struct FwdKernel {
     auto pipelines = Mainloop::make_pipelines(storage.barriers, warp_group_idx == 0, is_producer_thread);
     __syncthreads();
 
-    Scheduler const& scheduler = params.scheduler;
     // The K/V blocks [min, max) a tile needs.
     struct KeyBlocks {
       int min, max;
     };
-    auto key_blocks = [&](TileCoord const& tile) {
-      BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{params.mainloop.band};
+    auto key_blocks = [&](TileCoord const& tile, SeqInfo const& seq) {
+      BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{Mainloop::band(params.mainloop, seq)};
       return KeyBlocks{blocks.n_block_min(tile.block), blocks.n_block_max(tile.block)};
     };
+    auto sequence = [&](TileCoord const& tile) { return params.mainloop.seqs.at(tile.batch); };
 
     if (warp_group_idx == 0) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
@@ -197,9 +219,10 @@ struct FwdKernel {
           for (int t = scheduler.first(); scheduler.valid(t); ++iteration) {
             int const t_next = scheduler.next(t);  // a dynamic draw's latency hides behind this tile's loads
             TileCoord const tile = scheduler.coord(t);
-            KeyBlocks const blocks = key_blocks(tile);
+            SeqInfo const seq = sequence(tile);
+            KeyBlocks const blocks = key_blocks(tile, seq);
             Mainloop::template load</*kLoopsOverTiles=*/true>(
-                params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, blocks.min,
+                params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, seq, blocks.min,
                 blocks.max, iteration, [&storage, slot = iteration & 1, tile] { storage.tile_slots[slot] = tile; });
             t = t_next;
           }
@@ -207,13 +230,16 @@ struct FwdKernel {
                              [&storage, slot = iteration & 1] { storage.tile_slots[slot] = TileCoord{-1, 0, 0}; });
         } else {
           TileCoord const tile = scheduler.coord(scheduler.first());
-          KeyBlocks const blocks = key_blocks(tile);
+          SeqInfo const seq = sequence(tile);
+          KeyBlocks const blocks = key_blocks(tile, seq);
           Mainloop::template load</*kLoopsOverTiles=*/false>(params.mainloop, storage.tensors.mainloop, storage.barriers,
-                                                             pipelines, write_state, tile, blocks.min, blocks.max, 0, [] {});
+                                                             pipelines, write_state, tile, seq, blocks.min, blocks.max, 0,
+                                                             [] {});
         }
       } else if (Mainloop::kTransposeV && warp_idx > 0) {
         static_assert(!(kPersistent && Mainloop::kTransposeV), "the transposing warps compute one tile");
-        KeyBlocks const blocks = key_blocks(scheduler.coord(scheduler.first()));
+        TileCoord const tile = scheduler.coord(scheduler.first());
+        KeyBlocks const blocks = key_blocks(tile, sequence(tile));
         Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, max(0, blocks.max - blocks.min),
                                  int(threadIdx.x) - cutlass::NumThreadsPerWarp);
       }
@@ -238,25 +264,28 @@ struct FwdKernel {
         }
       };
       // One tile whose Q has landed.
-      auto compute_tile = [&](TileCoord const& tile) {
+      auto compute_tile = [&](TileCoord const& tile, SeqInfo const& seq) {
         // The thread index read again per tile: ptxas otherwise hoists per-thread offsets out of the tile
         // loop and spills them (d128 non-causal, 8 bytes).
         int const tidx = kPersistent ? opaque_thread_idx() : thread_idx;
-        KeyBlocks const blocks = key_blocks(tile);
+        Band const band = Mainloop::band(params.mainloop, seq);
+        KeyBlocks const blocks = key_blocks(tile, seq);
         typename Mainloop::TiledMmaPV tiled_mma_pv;
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 2>(typename Mainloop::TileShapeMNK{}));
         auto const scales = Mainloop::tile_scales(params.mainloop, tile);
         Softmax<2 * decltype(size<1>(tOrO))::value, Config::kMaxOffset> softmax(scales.softmax_scale_log2);
         if (blocks.max > blocks.min) {
           Mainloop::template mma<kOInVStage>(params.mainloop, storage.tensors.mainloop, pipelines, read_k, read_v, tile,
-                                              blocks.min, blocks.max, tidx, tOrO, softmax, scales.softcap_pre_scale);
+                                              band, blocks.min, blocks.max, tidx, tOrO, softmax, scales.softcap_pre_scale);
         } else {
-          static_assert(!kOInVStage || !kIsCausal, "kOInVStage needs a GEMM1 in every tile: non-causal tiles see a key");
+          // kOInVStage needs a GEMM1 in every tile: non-causal tiles see a key (VarlenPrepare lists no tile of a
+          // sequence without keys).
+          static_assert(!kOInVStage || !kIsCausal);
           clear(tOrO);  // no key visible to any row: O = 0, and finalize gives LSE = -inf
         }
         auto scores_scale = softmax.finalize(scales.o_scale);
         softmax.rescale_o(tOrO, scores_scale);
-        Epilogue::store(params.epilogue, smem_o(), tile, tidx, tOrO, softmax.row_sum,
+        Epilogue::store(params.epilogue, smem_o(), tile, seq, tidx, tOrO, softmax.row_sum,
                         [&] { Mainloop::release_q(storage.barriers); });
       };
       if constexpr (kPersistent) {
@@ -270,11 +299,15 @@ struct FwdKernel {
           TileCoord const volatile& slot = storage.tile_slots[iteration & 1];
           TileCoord const tile{slot.block, slot.head, slot.batch};
           if (tile.block < 0) { break; }
-          compute_tile(tile);
+          // Its sequence read by the consumers themselves (publishing it too cost the producer's 32 registers
+          // 64 bytes of spills at d64): the load's latency hides behind the tile's first GEMM.
+          compute_tile(tile, sequence(tile));
         }
       } else {
+        TileCoord const tile = scheduler.coord(scheduler.first());
+        SeqInfo const seq = sequence(tile);  // loaded while Q is
         Mainloop::wait_q(storage.barriers, 0);
-        compute_tile(scheduler.coord(scheduler.first()));
+        compute_tile(tile, seq);
       }
       Epilogue::finish(thread_idx);
     }

@@ -9,6 +9,7 @@
 #include "kernel_launch.h"
 #include "kernel_registry.h"
 #include "tile_size.h"
+#include "varlen.h"
 
 namespace flash {
 
@@ -28,9 +29,10 @@ struct FwdLauncher {
       auto const params = Kernel::to_params(p);
       launch_kernel<Kernel>(params.scheduler.grid(mode.persistent, num_sms(device)), params, device, stream);
     };
+    if (p.varlen.enabled()) { launch_kernel<VarlenPrepare>(dim3(1), Policy::varlen_prepare(p), device, stream); }
     if constexpr (Policy::kPersistentCapable) {
       if (mode.persistent) {
-        if (mode.dynamic) { FLASH_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, Policy::workspace_bytes(p), stream)); }
+        if (mode.dynamic) { FLASH_CUDA_CHECK(cudaMemsetAsync(Policy::counter(p), 0, sizeof(int), stream)); }
         launch(FwdKernel<Config, /*kPersistent=*/true>{});
         return;
       }

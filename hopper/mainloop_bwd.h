@@ -164,7 +164,11 @@ struct BwdMainloop {
     constexpr int kCols = decltype(size<1>(coords_rc))::value;
     auto query_of_col = [&](int ni) { return int(get<1>(coords_rc(0, ni))); };
 
-    Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP, /*kKeysInRows=*/true> mask(thread_idx, params.band);
+    // The mask is made where it is applied: its band read from shared memory (Loads::shared_band), its
+    // per-thread offsets from an opaque thread index (held through the loop, they cost d128 its GEMMs'
+    // overlap: ptxas serialised them; perf-notes section 23).
+    using MaskT = Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP, /*kKeysInRows=*/true>;
+    auto mask = [&]() { return MaskT(opaque_thread_idx(), Loads::shared_band(params, loaded)); };
     float const softcap_pre_scale = params.scales.softcap_pre_scale;  // > 0: softcap on (a uniform branch)
 
     // Q and dO advance together here (one state: a second one cost ptxas an 8-byte spill at d128).
@@ -186,7 +190,9 @@ struct BwdMainloop {
       float const scale_log2 = params.scales.softmax_scale_log2;
       bool const softcap = softcap_pre_scale > 0.f;
       if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }  // t = tanh(S^T * pre_scale) replaces S^T
-      if constexpr (kMasked && kIsCausal) { mask.template apply</*kSeqlenKMask=*/true, true>(tSrS, m_block, work.n_block); }
+      if constexpr (kMasked && kIsCausal) {
+        mask().template apply</*kSeqlenKMask=*/true, true>(tSrS, m_block, work.n_block);
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int ni = 0; ni < kCols; ++ni) {
         float const lse_log2 = sLSE(query_of_col(ni), stage);
@@ -195,7 +201,9 @@ struct BwdMainloop {
       }
       // Without the band mask, the keys past the end (zero rows of K and V: TMA fills them) are masked in
       // P^T instead of S^T: the same result, and masking S^T there made ptxas spill at d64 (kBlockM = 128).
-      if constexpr (kMasked && !kIsCausal) { mask.template apply</*kSeqlenKMask=*/true, false>(tSrS, m_block, work.n_block, 0.f); }
+      if constexpr (kMasked && !kIsCausal) {
+        mask().template apply</*kSeqlenKMask=*/true, false>(tSrS, m_block, work.n_block, 0.f);
+      }
       warpgroup_wait<0>();  // dP^T is ready
       warpgroup_fence_operand(tdPrdP);
       if (!softcap) {
@@ -243,7 +251,7 @@ struct BwdMainloop {
       ++read_state;
     };
 
-    work.template for_each_block<kBlockM, kBlockN, kIsCausal>(params.band, step);
+    work.template for_each_block<kBlockM, kBlockN, kIsCausal>(step);
     if (work.count() == 0) {  // no query sees these keys: dK = dV = 0
       clear(tdKrdK);
       clear(tdVrdV);

@@ -186,7 +186,7 @@ struct BwdMainloopHeadSplit {
       if constexpr (kMasked) {
         // Built here, not before the loop: its fields are then not live across the unmasked steps (at 80
         // keys ptxas otherwise spilled a register of the loop).
-        Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP> mask(thread_idx, params.band);
+        Mask<kBlockM, kBlockN, kIsCausal, TiledMmaSdP> mask(thread_idx, Loads::shared_band(params, loaded));
         mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, work.n_block);
       }
       Tensor scores = make_rowcol_view(tSrS);  // (queries, keys)
@@ -247,7 +247,7 @@ struct BwdMainloopHeadSplit {
       ++read_state_do;
     };
 
-    work.template for_each_block<kBlockM, kBlockN, kIsCausal>(params.band, step);
+    work.template for_each_block<kBlockM, kBlockN, kIsCausal>(step);
     if (work.count() == 0) {  // no query sees these keys: dK = dV = 0
       clear(tdKrdK);
       clear(tdVrdV);

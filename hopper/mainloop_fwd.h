@@ -30,6 +30,7 @@
 #include "tile_scheduler.h"
 #include "transpose_v.h"
 #include "utils.h"
+#include "varlen.h"
 #include "warpgroup_scheduler.h"
 
 namespace flash {
@@ -143,7 +144,8 @@ struct FwdMainloop {
     GmemShape shape_q, shape_k;
     TmaQ tma_q;
     TmaKV tma_k, tma_v;
-    Band band;  // the keys each query sees (mask.h): the causal kernels read the window from it
+    Sequences seqs;  // each sequence's lengths and rows (varlen.h)
+    int band_left, band_right;  // the window's sides (Band::side): read by the causal kernels (band())
     int qheads_per_kvhead;
     ScoreScales scales;  // softmax scale and softcap (softcap.h)
     bool pingpong;  // consumer warpgroups take turns issuing GEMMs (WarpgroupScheduler)
@@ -169,24 +171,31 @@ struct FwdMainloop {
     }
   }
 
-  static Params to_params(FwdParams const& p) {
-    GmemShape const shape_q = make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch);
-    GmemShape const shape_k = make_shape(p.seqlen_k, p.headdim, p.nheads_kv, p.batch);
-    auto const mQ = make_gmem_bshd<Element const>(p.q, shape_q);
-    auto const mK = make_gmem_bshd<Element const>(p.k, shape_k);
-    auto const mV = make_gmem_bshd<Element const>(p.v, shape_k);
-    return {shape_q,
-            shape_k,
+  // `packed`: where VarlenPrepare writes the sequences of a varlen call.
+  static Params to_params(FwdParams const& p, SeqInfo const* packed) {
+    bool const varlen = p.varlen.enabled();
+    auto const mQ = make_gmem_rows<Element const>(p.q, p.seqlen_q, p.headdim, p.nheads, p.batch, varlen, p.varlen.total_q);
+    auto const mK = make_gmem_rows<Element const>(p.k, p.seqlen_k, p.headdim, p.nheads_kv, p.batch, varlen, p.varlen.total_k);
+    auto const mV = make_gmem_rows<Element const>(p.v, p.seqlen_k, p.headdim, p.nheads_kv, p.batch, varlen, p.varlen.total_k);
+    return {mQ.shape(),
+            mK.shape(),
             make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{}), _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeMNK{}), _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), select<1, 2>(TileShapeMNK{}), _1{}),
-            Band::make(p.seqlen_q, p.seqlen_k, p.options.window_left, p.options.window_right),
+            Sequences::make(p, packed),
+            Band::side(p.options.window_left),
+            Band::side(p.options.window_right),
             p.nheads / p.nheads_kv,
             ScoreScales::make(p.softmax_scale, p.options.softcap),
             p.pingpong < 0 ? Config::kPingPong : (Config::kPingPong && p.pingpong != 0),
             p.q_descale,
             p.k_descale,
             p.v_descale};
+  }
+
+  // The keys each query of sequence `seq` sees (mask.h).
+  __device__ static Band band(Params const& params, SeqInfo const& seq) {
+    return Band{seq.seqlen_q, seq.seqlen_k, params.band_left, params.band_right};
   }
 
   __device__ static void prefetch_descriptors(Params const& params) {
@@ -273,8 +282,8 @@ struct FwdMainloop {
   // the TMA thread.
   template <bool kLoopsOverTiles, class PublishTile>
   __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers,
-                              Pipelines& pipelines, PipelineState& write_state, TileCoord const& tile, int n_block_min,
-                              int n_block_max, int tile_iteration, PublishTile&& publish_tile) {
+                              Pipelines& pipelines, PipelineState& write_state, TileCoord const& tile, SeqInfo const& seq,
+                              int n_block_min, int n_block_max, int tile_iteration, PublishTile&& publish_tile) {
     PipelineKV& pipeline_k = pipelines.k;
     PipelineKV& pipeline_v = pipelines.v;
     Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
@@ -282,9 +291,10 @@ struct FwdMainloop {
     Tensor sV = make_tensor(make_smem_ptr(tensors.smem_v.data()), SmemLayoutV{});
 
     int const head_kv = tile.head / params.qheads_per_kvhead;
-    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, tile.head, tile.batch);
-    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, tile.batch);
-    Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, head_kv, tile.batch);
+    TmaRows const q_rows = params.seqs.q_rows(seq, tile.batch), k_rows = params.seqs.k_rows(seq, tile.batch);
+    Tensor mQ = sequence_slice(params.tma_q.get_tma_tensor(params.shape_q), q_rows, tile.head);
+    Tensor mK = sequence_slice(params.tma_k.get_tma_tensor(params.shape_k), k_rows, head_kv);
+    Tensor mV = sequence_slice(params.tma_v.get_tma_tensor(params.shape_k), k_rows, head_kv);
     Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeMNK{}), make_coord(tile.block, _0{}));  // (M, D)
     Tensor gK = local_tile(mK, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));          // (N, D, n)
     Tensor gV = local_tile(mV, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));          // (N, D, n)
@@ -346,11 +356,12 @@ struct FwdMainloop {
   // is the tile's (TileScales; 0 = no softcap).
   template <bool kHoldLastV, class FragO, class SoftmaxT>
   __device__ static void mma(Params const& params, TensorStorage& tensors, Pipelines& pipelines,
-                             PipelineState& read_k, PipelineStateV& read_v, TileCoord const& tile, int n_block_min,
-                             int n_block_max, int thread_idx, FragO& tOrO, SoftmaxT& softmax, float softcap_pre_scale) {
+                             PipelineState& read_k, PipelineStateV& read_v, TileCoord const& tile, Band const& band,
+                             int n_block_min, int n_block_max, int thread_idx, FragO& tOrO, SoftmaxT& softmax,
+                             float softcap_pre_scale) {
     PipelineKV& pipeline_k = pipelines.k;
     PipelineGemmV& pipeline_v = pipelines.gemm_v();
-    BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{params.band};
+    BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{band};
     int const m_block = tile.block;
     Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
@@ -367,7 +378,7 @@ struct FwdMainloop {
     // P in the input type, laid out as GEMM1's register A operand.
     Tensor tOrP = make_tensor<Element>(acc_layout_to_a_regs<Element>(tSrS.layout()));
 
-    Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, params.band);
+    Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, band);
     // Softcap's tanh comes before the mask (-inf stays -inf) and the softmax. A uniform branch: no
     // separate kernels for it.
     bool const softcap = softcap_pre_scale > 0.f;

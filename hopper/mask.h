@@ -18,14 +18,19 @@ namespace flash {
 
 using namespace cute;
 
+// An unbounded side of the band: past every key of any sequence (the host keeps seqlen_q + seqlen_k below
+// it, csrc/arg_checks.cpp), and small enough that the band arithmetic below stays within int.
+constexpr int kUnboundedWindow = 1 << 29;
+
 struct Band {
   int seqlen_q, seqlen_k;
-  int left, right;  // the window's sizes; an unbounded side holds seqlen_q + seqlen_k (past every key)
+  int left, right;  // the window's sizes; an unbounded side holds kUnboundedWindow
 
-  // From a call's window sizes, -1 meaning unbounded (the host's normalised window: flash.h).
-  static Band make(int seqlen_q, int seqlen_k, int window_left, int window_right) {
-    int const unbounded = seqlen_q + seqlen_k;
-    return {seqlen_q, seqlen_k, window_left < 0 ? unbounded : window_left, window_right < 0 ? unbounded : window_right};
+  // A window side as the kernels hold it: -1 (unbounded, the host's normalised window: flash.h) becomes
+  // kUnboundedWindow. Done on the host, so that the sides stay kernel parameters rather than registers.
+  __host__ __device__ static int side(int window) { return window < 0 ? kUnboundedWindow : window; }
+  __host__ __device__ static Band make(int seqlen_q, int seqlen_k, int window_left, int window_right) {
+    return {seqlen_q, seqlen_k, side(window_left), side(window_right)};
   }
   __host__ __device__ __forceinline__ int offset() const { return seqlen_k - seqlen_q; }
 };

@@ -30,12 +30,19 @@ struct TileCoord {
   int block, head, batch;
 };
 
+// A device-side tile list (varlen.h).
+struct TileList {
+  TileCoord const* tiles = nullptr;  // nullptr: no list, the tiles are numbered as above
+  int const* count = nullptr;
+};
+
 template <int kBlock>
 struct TileScheduler {
   int const num_blocks, nheads, num_head_batch, num_tiles;
   bool const reverse;
   int const heads_per_group;  // (head, batch) pairs per group; 1 = one head's blocks together
   int* const counter;         // persistent launches with a dynamic tile order; nullptr = static
+  TileList const list;        // varlen: the tiles, of which num_tiles is a bound
 
   __host__ __device__ TileScheduler(int seqlen, int nheads_, int batch, bool reverse_, int heads_per_group_ = 1,
                                     int* counter_ = nullptr)
@@ -45,7 +52,12 @@ struct TileScheduler {
         num_tiles(num_blocks * nheads_ * batch),
         reverse(reverse_),
         heads_per_group(heads_per_group_),
-        counter(counter_) {}
+        counter(counter_),
+        list() {}
+  // Varlen: the tiles of `list`, at most max_tiles.
+  __host__ __device__ TileScheduler(TileList list_, int max_tiles, int* counter_ = nullptr)
+      : num_blocks(0), nheads(1), num_head_batch(1), num_tiles(max_tiles), reverse(false), heads_per_group(1),
+        counter(counter_), list(list_) {}
 
   dim3 grid(bool persistent, int num_sms) const {
     return dim3(unsigned(persistent ? std::min(num_tiles, num_sms) : num_tiles));
@@ -60,7 +72,9 @@ struct TileScheduler {
   }
 
   __device__ __forceinline__ int first() const { return int(blockIdx.x); }
-  __device__ __forceinline__ bool valid(int tile) const { return tile < num_tiles; }
+  __device__ __forceinline__ bool valid(int tile) const {
+    return list.tiles != nullptr ? tile < *list.count : tile < num_tiles;
+  }
   // The tile after `tile` for this CTA (persistent launches). The dynamic draw is an atomic: issue it early
   // and read its result late. Each CTA stops drawing at its first invalid tile, so a launch draws exactly
   // num_tiles times.
@@ -68,7 +82,8 @@ struct TileScheduler {
     return counter != nullptr ? int(gridDim.x) + atomicAdd(counter, 1) : tile + int(gridDim.x);
   }
 
-  __host__ __device__ __forceinline__ TileCoord coord(int tile) const {
+  __device__ __forceinline__ TileCoord coord(int tile) const {
+    if (list.tiles != nullptr) { return list.tiles[tile]; }
     int const tiles_per_group = heads_per_group * num_blocks;
     int const group = tile / tiles_per_group;
     int const in_group = tile - group * tiles_per_group;

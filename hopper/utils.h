@@ -4,6 +4,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/array.h>
+#include <cutlass/cutlass.h>
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
@@ -156,6 +157,15 @@ CUTE_DEVICE void convert_acc_to_a_regs(Tensor<EngineAcc, LayoutAcc> const& acc, 
     for (int i = 0; i < size(ordered); ++i) { ordered(i) = acc_as_a(i); }  // register renaming only
     convert_into(ordered, p);
   }
+}
+
+// threadIdx.x - 128 (the consumer index of kernels whose warpgroup 0 produces), which the compiler cannot
+// move across loop iterations: per-thread offsets derived from it are recomputed where used instead of
+// hoisted out of a loop and held (or spilled) through it.
+__device__ __forceinline__ int opaque_thread_idx() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid - cutlass::NumThreadsPerWarpGroup;
 }
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -10,8 +10,10 @@
 #   AB_BWD=b0                                     also scripts/ab_bwd.py against variant build(s) b0,...
 #                                                 (AB_BWD_HEADDIMS=64,128, AB_BWD_SEQLENS=2048,8192)
 #   MEMCHECK=1                                    also compute-sanitizer memcheck over every 16-bit forward kernel
-#                                                 (both launch forms) and every backward kernel
+#                                                 (both launch forms), every backward kernel, and both through
+#                                                 the varlen ops (valid and invalid offsets)
 #   GRID16=1                                      also the fp16 forward grid and GQA (nheads_kv = nheads / 8) at d128
+#   VARLEN=1                                      also the --varlen benchmark (fwd and bwd, d64/128/256, both masks)
 #   OVERHEAD=1                                    also scripts/call_overhead.py (host and GPU time of a tiny call)
 #   FP8=1                                         also the FP8 benchmark (fp8 vs our bf16, 8k, d64/128/256, both masks),
 #                                                 memcheck over every FP8 kernel, and the accuracy table
@@ -62,6 +64,10 @@ if [ "${GRID16:-0}" != 0 ]; then
   step bench_gqa ${BENCH_S:-240} python3 -m flash_ext.benchmark --mode fwd --headdims 128 --gqa 8 --out "$out" --name bench_gqa \
     --no-progress
 fi
+if [ "${VARLEN:-0}" != 0 ]; then
+  step bench_varlen ${BENCH_S:-240} python3 -m flash_ext.benchmark --varlen --mode both --headdims 64,128,256 --causal both \
+    --out "$out" --name bench_varlen --no-progress
+fi
 if [ "${OVERHEAD:-0}" != 0 ]; then
   step call_overhead ${BENCH_S:-240} python3 scripts/call_overhead.py
 fi
@@ -72,6 +78,7 @@ fi
 if [ "${MEMCHECK:-0}" != 0 ]; then
   step memcheck_fwd ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fwd.py
   step memcheck_bwd ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_bwd.py
+  step memcheck_varlen ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_varlen.py
 fi
 if [ "${FP8:-0}" != 0 ]; then
   step bench_fp8 ${BENCH_S:-240} python3 -m flash_ext.benchmark --dtype fp8 --headdims 64,128,256 --seqlens 8k --causal both \

@@ -634,7 +634,7 @@ def test_window_softcap_refusals(fake_build):
     capped = Shape(2, 1024, 1024, 16, 16, 128, True, softcap=30.0)
     plain = Shape(2, 1024, 1024, 16, 16, 128, False)
     cfg = runner.RunConfig(dtype="bf16")
-    for key in records.SDPA_KEYS + ("flex",):
+    for key in tuple(k for k in records.SDPA_KEYS if k != "sdpa_nested") + ("flex",):  # nested: --varlen only
         be = backends.BACKENDS[key](cfg)
         status, reason = be.refuse(windowed, "fwd")
         assert status == records.SKIPPED and "window" in reason
@@ -722,3 +722,263 @@ def test_window_reference_catches_an_ignored_window(fake_build, monkeypatch):
     (rec,), _ = runner.run_benchmark([shape], ["fwd"], backends.make_backends(["flash_ext"], cfg), cfg,
                                      torch.device("cpu"), timing.cpu_timer)
     assert rec.status == records.WRONG and rec.ms is None
+
+
+# ------------------------------------------------------------------------------------------------
+# --varlen: the length generator, the option, FLOPs, the backends' layouts, the runner with fakes
+# ------------------------------------------------------------------------------------------------
+def test_varlen_seqlens_default_batch():
+    lengths = shapes.varlen_seqlens()
+    assert len(lengths) == shapes.VARLEN_SEQS == 16 and sum(lengths) == shapes.VARLEN_TOKENS == 32768
+    assert all(isinstance(n, int) and shapes.VARLEN_MIN <= n <= shapes.VARLEN_MAX for n in lengths)
+    assert lengths == shapes.varlen_seqlens(), "a fixed seed: the same batch in every run"
+    assert len(set(lengths)) > 8, "lengths that vary"
+    assert shapes.varlen_seqlens(seed=1) != lengths
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_varlen_seqlens_exact_total_within_bounds(seed):
+    for num, total, low, high in ((16, 32768, 128, 8192), (3, 1000, 10, 600), (7, 7 * 128, 128, 8192),
+                                  (5, 5 * 8192, 128, 8192), (1, 300, 1, 1000), (16, 130000, 128, 8192)):
+        lengths = shapes.varlen_seqlens(num, total, low, high, seed)
+        assert len(lengths) == num and sum(lengths) == total and all(low <= n <= high for n in lengths)
+
+
+def test_varlen_seqlens_impossible():
+    for args in ((4, 100, 30, 50), (4, 300, 30, 50), (0, 0, 1, 2), (2, 10, 6, 5)):
+        with pytest.raises(ValueError, match="cannot sum to"):
+            shapes.varlen_seqlens(*args)
+
+
+def test_varlen_option_grid():
+    assert _args().varlen is False
+    grid = cli.build_grid(_args("--varlen"))
+    lengths = shapes.varlen_seqlens()
+    assert [(s.headdim, s.causal) for s in grid] == [(d, c) for d in (64, 128, 256) for c in (False, True)]
+    for s in grid:
+        assert s.is_varlen() and s.seqlens == lengths and s.tokens == 32768 and s.batch == 16
+        assert s.seqlen_q == s.seqlen_k == max(lengths) and s.nheads * s.headdim == 2048 and s.nheads_kv == s.nheads
+    assert grid[3].label() == "d128 varlen 32k C b16 h16"
+    quick = cli.build_grid(_args("--varlen", "--quick", "--causal", "yes", "--gqa", "4"))
+    assert [(s.headdim, s.causal, s.nheads, s.nheads_kv) for s in quick] == [(128, True, 16, 4)]
+    windowed = cli.build_grid(_args("--varlen", "--headdim", "64", "--window", "256,0", "--softcap", "30"))
+    assert all(s.window == (256, 0) and s.softcap == 30.0 and s.is_varlen() for s in windowed)
+    for bad in (["--seqlens", "1k"], ["--seqlen-q", "512"], ["--batch", "2"], ["--tokens", "8192"]):
+        with pytest.raises(ValueError, match=rf"--varlen draws its own lengths .*drop {bad[0]}"):
+            cli.build_grid(_args("--varlen", *bad))
+        with pytest.raises(SystemExit):
+            cli.main(["--dry-run", "--varlen", *bad])
+
+
+def test_varlen_flops_and_dense_equivalent():
+    lengths = (5, 1, 300, 17)
+    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (True, (8, 0)), (False, (3, 4))):
+        s = shapes.varlen_shape(lengths, 8, 2, 64, causal, window)
+        pairs = sum(_visible_brute(n, n, causal, window) for n in lengths)
+        assert shapes.attention_flops(s, "fwd") == 4 * 8 * 64 * pairs
+        assert shapes.attention_flops(s, "bwd") == 2.5 * shapes.attention_flops(s, "fwd")
+    causal = shapes.varlen_shape(lengths, 8, 2, 64, True)
+    assert shapes.attention_flops(causal, "fwd") == 4 * 8 * 64 * sum(n * (n + 1) // 2 for n in lengths)
+    # The yardstick: the dense batch of the same work, sequences of L = round(sum(s^2) / sum(s)) (so that
+    # L * tokens = sum(s^2): the same (query, key) pairs over the same tokens), batch round(tokens / L).
+    big = cli.build_grid(_args("--varlen", "--headdim", "128", "--causal", "no"))[0]
+    seqlens = shapes.varlen_seqlens()
+    tokens, squares = sum(seqlens), sum(n * n for n in seqlens)
+    assert big.seqlens == seqlens and tokens == 32768
+    L = round(squares / tokens)
+    batch = max(1, round(tokens / L))
+    assert (L, batch) == (3107, 11)  # the default batch's yardstick (not 4 x 8192: ~2.6x the pairs per token)
+    dense = shapes.dense_equivalent(big)
+    assert dense == Shape(batch, L, L, 16, 16, 128, False) and shapes.dense_label(big) == "11 x 3107"
+    assert abs(L * tokens - squares) <= tokens / 2  # L * tokens = sum(s^2) up to the rounding of L
+    assert abs(dense.tokens - tokens) <= L / 2  # the same tokens up to the rounding of the batch
+    # the same pairs (batch * L^2 = sum(s^2)) up to both roundings: |L (batch L - tokens) + (L tokens - sum s^2)|
+    assert abs(dense.batch * L * L - squares) <= L * L / 2 + tokens / 2
+    assert abs(dense.batch * L * L / squares - 1) < 0.05  # 106.2M pairs per head against 101.8M
+    assert shapes.attention_flops(dense, "fwd") == 4 * 16 * 128 * batch * L * L
+    assert abs(shapes.attention_flops(dense, "fwd") / shapes.attention_flops(big, "fwd") - 1) < 0.05
+    for variant in (dict(causal=True), dict(causal=True, window=(256, 0), softcap=30.0)):
+        s = shapes.varlen_shape(seqlens, 8, 2, 64, **variant)
+        assert shapes.dense_equivalent(s) == Shape(batch, L, L, 8, 2, 64, True, *s.window, s.softcap)
+    # small batches: (5, 1, 300, 17) -> L = round(90315 / 323) = 280, batch round(323 / 280) = 1
+    assert shapes.dense_equivalent(causal) == Shape(1, 280, 280, 8, 2, 64, True)
+    assert shapes.dense_equivalent(shapes.varlen_shape((40, 40, 40, 100), 2, 2, 8, False)) == Shape(3, 67, 67, 2, 2, 8,
+                                                                                                     False)
+    assert shapes.dense_equivalent(shapes.varlen_shape((64,) * 4, 2, 2, 8, False)) == Shape(4, 64, 64, 2, 2, 8, False)
+    with pytest.raises(ValueError, match="varlen"):
+        shapes.dense_equivalent(Shape(2, 64, 64, 2, 2, 8, False))
+    assert not hasattr(shapes, "VARLEN_DENSE_SEQLEN")
+    s = shapes.varlen_shape(lengths, 8, 2, 64, True)
+    assert Shape.from_dict(json.loads(json.dumps(s.to_dict()))) == s  # seqlens back as a (hashable) tuple
+
+
+def test_varlen_backends_and_dry_run(capsys):
+    keys = cli.select_backends(_args("--varlen"))
+    assert keys[:2] == ["flash_ext", "flash_ext_dense"] and "sdpa_nested" in keys and "sdpa_math" in keys
+    assert "flash_ext_dense" not in cli.select_backends(_args()) and "sdpa_nested" not in cli.select_backends(_args())
+    assert records.backend_name("flash_ext_dense") == "flash_ext (dense, same work)"
+    assert records.backend_name("sdpa_nested") == "SDPA nested" and "sdpa_nested" in records.SDPA_KEYS
+    assert cli.main(["--dry-run", "--varlen", "--mode", "both"]) == 0
+    out = capsys.readouterr().out
+    lengths = shapes.varlen_seqlens()
+    assert "varlen batch: 16 sequences, 32768 tokens, lengths " + ", ".join(map(str, lengths)) in out
+    assert "flash_ext (dense, same work): 11 x 3107" in out and "SDPA nested" in out and "4 x 8192" not in out
+    assert "d256 varlen 32k C b16 h8" in out and "6 shape(s)" in out
+    s = shapes.varlen_shape(lengths, 16, 16, 128, True)
+    assert f"{shapes.attention_flops(s, 'bwd') / 1e9:.1f}" in out
+
+
+def test_varlen_packed_layouts():
+    s = shapes.varlen_shape((3, 1, 18), 2, 2, 8, True)
+    packed = backends.Packed(s, torch.device("cpu"))
+    assert packed.cu_seqlens.tolist() == [0, 3, 4, 22] and packed.cu_seqlens.dtype == torch.int32
+    assert packed.max_seqlen == 18 and packed.padded == backends.padded_length(s) == 32
+    x = torch.randn(1, 22, 2, 8)
+    padded = packed.pad(x)
+    assert padded.shape == (3, 32, 2, 8)
+    assert torch.equal(padded[1, 0], x[0, 3]) and torch.equal(padded[2, :18], x[0, 4:]) and (padded[0, 3:] == 0).all()
+    assert torch.equal(packed.unpad(padded), x)
+    nested = packed.nested(x[0])
+    assert nested.is_nested and nested.shape[0] == 3 and torch.equal(nested.values(), x[0])
+    for causal in (False, True):
+        bias = packed.attn_bias(causal, torch.float32)
+        assert bias.shape == (3, 1, 32, 32)
+        for b, n in enumerate(s.seqlens):
+            for i in range(32):
+                for j in range(32):
+                    visible = j < n and (not causal or j <= i)
+                    assert bias[b, 0, i, j].item() == (0.0 if visible else -math.inf), (b, i, j)
+
+
+def test_varlen_refusals(fake_build, monkeypatch):
+    cfg = runner.RunConfig(dtype="bf16")
+    varlen = shapes.varlen_shape((100, 28), 16, 16, 128, False)
+    plain = Shape(2, 1024, 1024, 16, 16, 128, False)
+    ext = backends.FlashExtBackend(cfg)
+    monkeypatch.setattr(flash_ext.ops, "has_varlen_ops", lambda: False)
+    status, reason = ext.refuse(varlen, "fwd")
+    assert status == records.SKIPPED and "no varlen ops" in reason
+    monkeypatch.setattr(flash_ext.ops, "has_varlen_ops", lambda: True)
+    assert ext.refuse(varlen, "fwd") is None and ext.refuse(plain, "fwd") is None
+    dense = backends.FlashExtDenseBackend(cfg)
+    # L = round((100^2 + 28^2) / 128) = 84, batch round(128 / 84) = 2
+    assert dense.problem(varlen) == Shape(2, 84, 84, 16, 16, 128, False) and dense.refuse(varlen, "fwd") is None
+    assert dense.refuse(plain, "fwd")[0] == records.SKIPPED and dense.problem(plain) == plain
+    nested = backends.SDPANested(cfg)
+    assert nested.refuse(varlen, "fwd") is None and nested.refuse(plain, "fwd")[0] == records.SKIPPED
+    assert "window" in nested.refuse(dataclasses.replace(varlen, window_left=8, window_right=0), "fwd")[1]
+    assert backends.FlexBackend(cfg).refuse(varlen, "fwd")[0] == records.SKIPPED
+    fp8 = runner.RunConfig(dtype="fp8")
+    fake_build["dtypes"].append("e4m3")
+    assert "FP8" in backends.FlashExtBackend(fp8).refuse(varlen, "fwd")[1]
+    assert backends.FlashExtBf16Backend(fp8).refuse(varlen, "fwd")[0] == records.SKIPPED
+
+
+def test_dense_yardstick_inputs():
+    """The dense yardstick's inputs: the packed rows laid out as its batch, the first batch * L rows (a view)
+    when there are enough, else the packed rows repeated."""
+    x = torch.arange(220 * 2 * 3, dtype=torch.float32).view(1, 220, 2, 3)
+    fewer = shapes.varlen_shape((40, 40, 40, 100), 2, 2, 3, False)  # 3 x 67 = 201 rows of 220
+    problem = shapes.dense_equivalent(fewer)
+    q, k, v, dout = runner.problem_inputs(problem, (x, x, x, None))
+    assert q.shape == (3, 67, 2, 3) and dout is None and q.data_ptr() == x.data_ptr()
+    assert torch.equal(q.reshape(1, 201, 2, 3), x[:, :201])
+    y = torch.arange(192 * 2 * 3, dtype=torch.float32).view(1, 192, 2, 3)
+    more = shapes.dense_equivalent(shapes.varlen_shape((38, 53, 44, 57), 2, 2, 3, False))  # 4 x 49 = 196 of 192
+    q, _, _, _ = runner.problem_inputs(more, (y, y, y, None))
+    assert q.shape == (4, 49, 2, 3) and q.is_contiguous()
+    flat = q.reshape(196, 2, 3)
+    assert torch.equal(flat[:192], y[0]) and torch.equal(flat[192:], y[0, :4])
+    assert runner.problem_inputs(fewer, (x, x, x, None))[0] is x  # the varlen row itself: unchanged
+
+
+def _fake_varlen_ops(monkeypatch, calls, ignore_boundaries=False):
+    """flash_ext's varlen forward and backward, and its dense ones, as the float64 references (on CPU). With
+    ignore_boundaries the varlen forward attends across the whole packed batch: a wrong kernel."""
+    monkeypatch.setattr(flash_ext.ops, "has_varlen_ops", lambda: True)
+
+    def varlen_forward(q, k, v, packed, scale, shape):
+        calls.append(("varlen_forward", packed.max_seqlen))
+        cu = packed.cu_seqlens
+        if ignore_boundaries:
+            cu = cu[[0, -1]]
+        out, lse = reference.attention_varlen_ref(q, k, v, cu, cu, scale, shape.causal, shape.window, shape.softcap)
+        return out.to(q.dtype), lse.float()
+
+    def varlen_backward(dout, q, k, v, out, lse, packed, scale, shape, deterministic):
+        calls.append(("varlen_backward", deterministic))
+        assert lse.shape == (q.shape[1], q.shape[0])
+        leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+        o, _ = reference.attention_varlen_autograd(*leaves, packed.cu_seqlens, packed.cu_seqlens, scale, shape.causal,
+                                                   True, shape.window, shape.softcap)
+        return tuple(g.to(q.dtype) for g in torch.autograd.grad(o, leaves, dout.double()))
+
+    def forward(q, k, v, softmax_scale=None, causal=False, **mask):
+        calls.append(("forward", q.shape[:2]))
+        out, lse = reference.attention_ref(q, k, v, softmax_scale, causal, **mask)
+        return out.to(q.dtype), lse.float()
+
+    def backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False, **mask):
+        leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+        o, _ = reference.attention_autograd(*leaves, softmax_scale=softmax_scale, causal=causal, **mask)
+        return tuple(g.to(q.dtype) for g in torch.autograd.grad(o, leaves, dout.double()))
+
+    monkeypatch.setattr(backends, "varlen_forward", varlen_forward)
+    monkeypatch.setattr(backends, "varlen_backward", varlen_backward)
+    monkeypatch.setattr(flash_ext, "forward", forward)
+    monkeypatch.setattr(flash_ext, "backward", backward)
+
+
+def test_varlen_run_on_cpu(fake_build, monkeypatch, tmp_path):
+    """The runner on a --varlen row: flash_ext's varlen op (faked by the reference) on the packed rows, the dense
+    yardstick on the same tokens as one dense batch, SDPA math on the padded batch and SDPA on nested tensors,
+    each checked against the varlen reference and timed; the table shows varlen/dense."""
+    calls = []
+    _fake_varlen_ops(monkeypatch, calls)
+    cfg = runner.RunConfig(dtype="bf16", deterministic=True)
+    keys = ["flash_ext", "flash_ext_dense", "sdpa_math", "sdpa_nested"]
+    bes = backends.make_backends(keys, cfg)
+    lengths = shapes.varlen_seqlens(4, 192, 16, 96, seed=3)
+    assert lengths == (38, 53, 44, 57)
+    shape = shapes.varlen_shape(lengths, 2, 2, 128, False)
+    recs, fatal = runner.run_benchmark([shape], ["fwd", "bwd"], bes, cfg, torch.device("cpu"), timing.cpu_timer)
+    assert fatal is None
+    by = {(r.mode, r.backend): r for r in recs}
+    for mode in ("fwd", "bwd"):
+        for key in keys:
+            rec = by[(mode, key)]
+            if key == "sdpa_nested" and rec.status == records.SKIPPED:
+                continue  # nested tensors' SDPA without a kernel on this machine: skipped with the reason
+            assert rec.status == records.OK and rec.checked and rec.max_err <= rec.tol, (mode, key, rec.reason)
+            assert rec.shape == shape
+        assert by[(mode, "flash_ext")].flops == shapes.attention_flops(shape, mode)
+        assert by[(mode, "sdpa_math")].flops == by[(mode, "flash_ext")].flops  # the padding is not counted
+        # lengths (38, 53, 44, 57): L = round(9438 / 192) = 49, batch round(192 / 49) = 4
+        assert by[(mode, "flash_ext_dense")].flops == shapes.attention_flops(Shape(4, 49, 49, 2, 2, 128, False), mode)
+        assert by[(mode, "sdpa_math")].diff_vs_flash_ext is not None
+        assert by[(mode, "flash_ext_dense")].diff_vs_flash_ext is None  # another problem
+    assert set(by[("bwd", "flash_ext")].err_detail) == {"dq", "dk", "dv"}
+    assert ("varlen_forward", max(lengths)) in calls and ("varlen_backward", True) in calls
+    assert ("forward", (4, 49)) in calls  # the dense yardstick of the same work: 4 x 49 (196 rows from 192, repeated)
+    text = report.format_table(recs, "fwd", keys)
+    assert "varlen/dense" in text and "flash_ext (dense, same work)" in text and "4 x 49" in text
+    assert "geomean flash_ext varlen / flash_ext dense (same work)" in text
+    assert "SDPA's padding not counted" in text
+    args = _args("--varlen", "--no-plot")
+    out_text, _ = cli.write_outputs(str(tmp_path), "v", env.collect_env(None), {}, recs, args, keys, ["x"])
+    assert "varlen batch: 4 sequences, 192 tokens" in out_text
+    doc, back = jsonfile.load_json(str(tmp_path / "v.json"))
+    assert back[0].shape == shape and doc["summary"]["fwd"]["rows"][0]["flash_ext_over_dense"] is not None
+    assert doc["summary"]["fwd"]["rows"][0]["dense_same_work"] == [4, 49]
+    assert "flash_ext (dense, same work): 4 x 49" in out_text
+
+
+def test_varlen_check_catches_attention_across_sequences(fake_build, monkeypatch):
+    """A varlen kernel that attended across sequence boundaries is WRONG (never timed), causal or not."""
+    _fake_varlen_ops(monkeypatch, [], ignore_boundaries=True)
+    cfg = runner.RunConfig(dtype="bf16")
+    for causal in (False, True):
+        shape = shapes.varlen_shape((40, 88), 2, 2, 128, causal)
+        (rec,), _ = runner.run_benchmark([shape], ["fwd"], backends.make_backends(["flash_ext"], cfg), cfg,
+                                         torch.device("cpu"), timing.cpu_timer)
+        assert rec.status == records.WRONG and rec.ms is None

@@ -3,14 +3,17 @@
 The slice is batch 0, the first REF_HEADS query heads (and the kv heads they read) and all query rows,
 unless its score matrix would exceed REF_MAX_ELEMS elements: then the last rows, since a tail of queries
 with all keys is itself a bottom-right-aligned problem with the same band (causal, window), so the mask
-stays exact. The shape's window and softcap apply to the reference and the baseline.
+stays exact. The shape's window and softcap apply to the reference and the baseline. A varlen row (packed,
+(1, total, h, d)) is checked on whole sequences from the first, as many as fit REF_MAX_ELEMS, with the
+varlen references.
 """
 import dataclasses
 import math
 
 import torch
 
-from ..reference import attention_autograd, attention_lowp, attention_ref
+from ..reference import (attention_autograd, attention_lowp, attention_ref, attention_varlen_autograd,
+                         attention_varlen_lowp, attention_varlen_ref)
 
 REF_HEADS = 2
 REF_MAX_ELEMS = 1 << 29
@@ -56,9 +59,11 @@ def max_abs_err(x, ref):
 
 @dataclasses.dataclass
 class SliceRef:
-    rows: slice  # query rows checked (all, or the last ones)
+    rows: slice  # query rows checked (all, or the last ones; varlen: the first sequences' rows)
     hq: int  # query heads checked: 0 .. hq-1 of batch 0
     hkv: int  # kv heads they read: 0 .. hkv-1
+    # key rows checked: all (dense), those of the same sequences (varlen)
+    k_rows: slice = dataclasses.field(default_factory=lambda: slice(None))
     out: torch.Tensor = None  # float64 (1, rows, hq, d)
     tol_out: float = None
     grads: dict = None  # name -> float64 reference gradient on the slice
@@ -69,7 +74,7 @@ class SliceRef:
         return t[0:1, self.rows, : self.hq]
 
     def kv_slice(self, t):
-        return t[0:1, :, : self.hkv]
+        return t[0:1, self.k_rows, : self.hkv]
 
 
 def _grads(q, k, v, dout, scale, shape, dtype):
@@ -81,8 +86,54 @@ def _grads(q, k, v, dout, scale, shape, dtype):
     return dict(zip(GRAD_NAMES, torch.autograd.grad(out, leaves, dout.to(dtype))))
 
 
+def _varlen_grads(q, k, v, dout, cu, scale, shape, dtype):
+    """_grads for packed rows (total, h, d) of sequences with offsets cu, in the runner's (1, total, h, d)."""
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    out, _ = attention_varlen_autograd(*leaves, cu, cu, softmax_scale=scale, causal=shape.causal,
+                                       upcast=dtype == torch.float64, window_size=shape.window, softcap=shape.softcap)
+    grads = torch.autograd.grad(out, leaves, dout.to(dtype))
+    return {n: g[None] for n, g in zip(GRAD_NAMES, grads)}
+
+
+def _build_varlen_reference(q, k, v, dout, shape, scale, dtype_name, need_bwd):
+    """build_reference for a packed row: the first sequences whose score matrices fit REF_MAX_ELEMS (at least
+    one), all their rows and keys, the first REF_HEADS query heads."""
+    group = shape.nheads // shape.nheads_kv
+    hq = min(REF_HEADS, shape.nheads)
+    hkv = hq if group == 1 else 1
+    count, elems = 0, 0
+    while count < len(shape.seqlens) and (count == 0 or elems + hq * shape.seqlens[count] ** 2 <= REF_MAX_ELEMS):
+        elems += hq * shape.seqlens[count] ** 2
+        count += 1
+    rows = slice(0, sum(shape.seqlens[:count]))
+    ref = SliceRef(rows=rows, hq=hq, hkv=hkv, k_rows=rows)
+    if count < len(shape.seqlens):
+        ref.note = f"checked the first {count} of {len(shape.seqlens)} sequences"
+    cu = torch.tensor([0] + [sum(shape.seqlens[:i + 1]) for i in range(count)], dtype=torch.int32, device=q.device)
+    work = torch.bfloat16 if dtype_name == "fp8" else q.dtype
+    qs, ks, vs = (t[0, rows, :h].to(work).contiguous() for t, h in ((q, hq), (k, hkv), (v, hkv)))
+    mask = dict(causal=shape.causal, window_size=shape.window, softcap=shape.softcap)
+    out, _ = attention_varlen_ref(qs, ks, vs, cu, cu, softmax_scale=scale, **mask)
+    ref.out = out[None]
+    baseline_err = max_abs_err(attention_varlen_lowp(qs, ks, vs, cu, cu, softmax_scale=scale, **mask)[None], ref.out)
+    ref.tol_out = tolerance(dtype_name, baseline_err, float(ref.out.abs().max()))
+    if need_bwd:
+        dos = dout[0, rows, :hq].to(work).contiguous()
+        g64 = _varlen_grads(qs, ks, vs, dos, cu, scale, shape, torch.float64)
+        glow = _varlen_grads(qs, ks, vs, dos, cu, scale, shape, work)
+        # Whole sequences: dk/dv are checkable when every query head reading the kv heads is in the slice.
+        names = GRAD_NAMES if hq == hkv * group else ("dq",)
+        ref.grads = {n: g64[n] for n in names}
+        ref.tol_grads = {
+            n: tolerance(dtype_name, max_abs_err(glow[n], g64[n]), float(g64[n].abs().max())) for n in names
+        }
+    return ref
+
+
 def build_reference(q, k, v, dout, shape, scale, dtype_name, need_bwd):
     """The float64 reference on the slice, with tolerances from the low-precision baseline's error."""
+    if shape.is_varlen():
+        return _build_varlen_reference(q, k, v, dout, shape, scale, dtype_name, need_bwd)
     sq, sk = shape.seqlen_q, shape.seqlen_k
     group = shape.nheads // shape.nheads_kv
     hq = min(REF_HEADS, shape.nheads)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .backends import BACKENDS, fa3_importable, flash_ext_has_backward, make_backends
+from .backends import BACKENDS, fa3_importable, flash_ext_has_backward, make_backends, padded_length
 from .check import REF_HEADS, REF_MAX_ELEMS
 from .env import collect_env, nvidia_smi
 from .jsonfile import write_json
@@ -17,7 +17,8 @@ from .progress import Progress
 from .records import backend_name, order_backends
 from .report import MODE_TITLES, format_metric_table, format_table, modes_in
 from .runner import DTYPES, RunConfig, run_benchmark
-from .shapes import NO_WINDOW, Shape, attention_flops
+from .shapes import (NO_WINDOW, VARLEN_MAX, VARLEN_MIN, VARLEN_SEQS, VARLEN_TOKENS, Shape, attention_flops,
+                     dense_equivalent, dense_label, varlen_seqlens, varlen_shape)
 from .timing import cpu_timer, cuda_peak_mib, make_do_bench_timer
 
 DEFAULT_HEADDIMS = (64, 128, 256)
@@ -27,9 +28,10 @@ QUICK_SEQLENS = (1024, 8192)
 DEFAULT_TOKENS = 16384  # batch * seqlen
 DEFAULT_HIDDEN = 2048  # nheads * headdim
 # flex compiles once per shape: opt-in; the bf16 yardstick only for fp8 runs; the comparison columns only with
-# --window / --softcap.
+# --window / --softcap; the dense yardstick (the same work as the varlen batch) and SDPA on nested tensors only with --varlen.
 DEFAULT_BACKENDS = tuple(k for k in BACKENDS
-                         if k not in ("flex", "flash_ext_bf16", "flash_ext_no_window", "flash_ext_no_softcap"))
+                         if k not in ("flex", "flash_ext_bf16", "flash_ext_no_window", "flash_ext_no_softcap",
+                                      "flash_ext_dense", "sdpa_nested"))
 
 
 def parse_int_list(text):
@@ -120,6 +122,14 @@ def build_parser():
     s.add_argument("--headdim", type=_positive_int, default=None, help="one head dim (overrides --headdims)")
     s.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS, help="batch * seqlen (default 16384)")
     s.add_argument("--hidden", type=_positive_int, default=DEFAULT_HIDDEN, help="nheads * headdim (default 2048)")
+    s.add_argument("--varlen", action="store_true",
+                   help=f"instead of the seqlen axis, one packed batch of {VARLEN_SEQS} sequences whose lengths are drawn "
+                   f"(fixed seed) from {VARLEN_MIN}..{VARLEN_MAX // 1024}k, {VARLEN_TOKENS // 1024}k tokens in all, at "
+                   "each head dim and mask of the run: flash_ext's varlen kernels next to its dense kernels on the "
+                   "dense batch that does the same work (sequences of L = round(sum(s^2) / sum(s)), batch "
+                   f"round(tokens / L): {dense_label(varlen_shape(varlen_seqlens(), 1, 1, 1, False))} for these lengths; the same "
+                   "(query, key) pairs and tokens; column 'flash_ext (dense, same work)', ratio 'varlen/dense'), SDPA "
+                   "on the zero-padded batch with a mask, and SDPA on nested tensors")
     a = p.add_argument_group(
         "attention variant (flash_ext and FA3 run it; SDPA and Flex are skipped with the reason; flash_ext is also "
         "timed without it, as the column 'flash_ext (no window)' / 'flash_ext (no softcap)')")
@@ -156,6 +166,15 @@ def build_grid(args):
     if window[1] > 0 and True in causals:
         raise ValueError(f"--window {window[0]},{window[1]}: causal attention is the band with right = 0, so a right "
                          "bound > 0 needs --causal no")
+    varlen = args.varlen
+    if varlen:
+        given = [option for option, value in (("--seqlens", args.seqlens), ("--seqlen-q", args.seqlen_q),
+                                              ("--seqlen-k", args.seqlen_k), ("--batch", args.batch))
+                 if value is not None] + (["--tokens"] if args.tokens != DEFAULT_TOKENS else [])
+        if given:
+            raise ValueError(f"--varlen draws its own lengths ({VARLEN_SEQS} sequences, {VARLEN_TOKENS} tokens): drop "
+                             f"{', '.join(given)}")
+        seqlens = [varlen_seqlens()]  # one batch per head dim and mask
     shapes = []
     for d in dict.fromkeys(headdims):
         nheads = args.nheads or max(1, args.hidden // d)
@@ -165,6 +184,9 @@ def build_grid(args):
         if nheads % nheads_kv != 0:
             raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv}) (head dim {d})")
         for causal in causals:
+            if varlen:
+                shapes.append(varlen_shape(seqlens[0], nheads, nheads_kv, d, causal, window, args.softcap))
+                continue
             for sq in dict.fromkeys(seqlens):
                 batch = args.batch or max(1, args.tokens // sq)
                 shapes.append(Shape(batch, sq, args.seqlen_k or sq, nheads, nheads_kv, d, causal,
@@ -197,6 +219,9 @@ def select_backends(args):
         keys.insert(1, "flash_ext_no_window")
     if args.backends is None and args.softcap:
         keys.insert(1, "flash_ext_no_softcap")
+    if args.backends is None and args.varlen:
+        keys[1:1] = ["flash_ext_dense"]
+        keys.append("sdpa_nested")
     if args.flex:
         keys.append("flex")
     return order_backends(keys)
@@ -238,6 +263,9 @@ def format_dry_run(shapes, modes, backend_keys, args):
             f"attention variant: {_variant_note(args)[2:]}: run by flash_ext and FA3, SDPA and Flex skipped (they have "
             "no window / softcap)" + (f"; flash_ext is also timed without it ({', '.join(columns)})" if columns else "")
             + ("; GFLOP count only the visible (query, key) pairs" if _has_window(args) else ""))
+    varlen = [s for s in shapes if s.is_varlen()]
+    if varlen:
+        lines.append(format_varlen_note(varlen[0]))
     width = max([24] + [len(s.label()) for s in shapes])
     lines += [
         f"{'#':>3}  {'shape':<{width}} {'batch':>5} {'seqlen_q':>8} {'seqlen_k':>8} {'nheads':>6} {'nheads_kv':>9} "
@@ -250,6 +278,19 @@ def format_dry_run(shapes, modes, backend_keys, args):
             f"{s.headdim:>7} {str(s.causal):>6} {fl}"
         )
     return "\n".join(lines)
+
+
+def format_varlen_note(shape):
+    """The --varlen batch and its yardsticks, for the dry run and under the tables."""
+    dense = dense_equivalent(shape)
+    return (f"varlen batch: {len(shape.seqlens)} sequences, {shape.tokens} tokens, lengths "
+            f"{', '.join(map(str, shape.seqlens))}\n"
+            f"  flash_ext (dense, same work): {dense.batch} x {dense.seqlen_q}, sequences of L = round(sum(s^2) / "
+            f"sum(s)) = {dense.seqlen_q}, batch round(tokens / L) = {dense.batch}: the same (query, key) pairs and "
+            "tokens, up to rounding (varlen/dense = the TFLOP/s ratio); "
+            f"SDPA: the batch zero-padded to {len(shape.seqlens)} x {padded_length(shape)} with a mask; SDPA nested: "
+            "nested tensors (layout=torch.jagged); GFLOP count each sequence's own (query, key) pairs (causal: "
+            "s(s+1)/2), not the padding")
 
 
 def table_title(mode, env, args):
@@ -274,6 +315,9 @@ def write_outputs(out_dir, name, env, config, records, args, backend_keys, comma
         parts.append(format_table(records, mode, backend_keys, title=table_title(mode, env, args)))
         parts.append(format_metric_table(records, mode, "peak_mib", backend_keys,
                                          title=f"-- {mode} peak memory above inputs, MiB --"))
+    varlen = [r.shape for r in records if r.shape.is_varlen()]
+    if varlen:
+        parts.append(format_varlen_note(varlen[0]))
     text = "\n\n".join(parts)
     txt_path = os.path.join(out_dir, f"{name}.txt")
     with open(txt_path, "w") as f:

@@ -5,6 +5,7 @@ import os
 
 from .env import ENV_KEYS
 from .records import Record
+from .shapes import dense_equivalent
 from .report import best_sdpa, geomean, modes_in, ratio_to, rows_for_mode, time_ratio
 
 SCHEMA = "flash_ext.benchmark/1"
@@ -36,6 +37,11 @@ def summary(records):
                     "best_sdpa_tflops": best,
                     "flash_ext_over_best_sdpa": ratio_to(row),
                     "flash_ext_over_fa3": ratio_to(row, against="fa3"),
+                    # --varlen: flash_ext varlen's TFLOP/s over its dense kernels' on the dense batch that does the
+                    # same work (shapes.dense_equivalent: [batch, seqlen] below), else None
+                    "flash_ext_over_dense": ratio_to(row, against="flash_ext_dense"),
+                    "dense_same_work": ([dense_equivalent(shape).batch, dense_equivalent(shape).seqlen_q]
+                                        if shape.is_varlen() else None),
                     # flash_ext's time over its comparison columns' (--window / --softcap runs), else None
                     "flash_ext_time_over_no_window": time_ratio(row, against="flash_ext_no_window"),
                     "flash_ext_time_over_no_softcap": time_ratio(row, against="flash_ext_no_softcap"),
@@ -53,7 +59,8 @@ def build_document(env, config, records, created=None, command=None):
         "env": {**dict.fromkeys(ENV_KEYS), **(env or {})},
         "config": config,
         "flop_convention": "forward 4*b*h*sq*sk*d; causal: half when sq == sk, else 4*b*h*d*(bottom-right "
-        "unmasked pairs); with a sliding window: 4*b*h*d*(exact visible pairs of the band); backward 2.5x forward",
+        "unmasked pairs); with a sliding window: 4*b*h*d*(exact visible pairs of the band); varlen: 4*h*d*(sum over "
+        "sequences of their exact visible pairs); backward 2.5x forward",
         "results": [r.to_dict() for r in records],
         "summary": summary(records),
     }

@@ -11,11 +11,13 @@ BACKEND_COLORS = {  # fixed per backend, so every panel and every run uses the s
     "flash_ext": "#d62728",  # red: ours
     "flash_ext_no_window": "#ff9896",  # light red: ours without --window / --softcap
     "flash_ext_no_softcap": "#e377c2",
+    "flash_ext_dense": "#8c564b",  # brown: ours, dense, the yardstick of --varlen (same work)
     "fa3": "#9467bd",
     "sdpa_cudnn": "#2ca02c",
     "sdpa_flash": "#1f77b4",
     "sdpa_efficient": "#ff7f0e",
     "sdpa_math": "#7f7f7f",
+    "sdpa_nested": "#bcbd22",
     "flex": "#17becf",
 }
 EXTRA_COLORS = ("#8c564b", "#e377c2", "#bcbd22", "#393b79", "#637939")

@@ -9,15 +9,17 @@ BACKEND_NAMES = {
     "flash_ext": "flash_ext",
     "flash_ext_no_window": "flash_ext (no window)",
     "flash_ext_no_softcap": "flash_ext (no softcap)",
+    "flash_ext_dense": "flash_ext (dense, same work)",  # --varlen's yardstick: shapes.dense_equivalent
     "flash_ext_bf16": "flash_ext bf16",
     "fa3": "FA3",
     "sdpa_cudnn": "SDPA cuDNN",
     "sdpa_flash": "SDPA flash",
     "sdpa_efficient": "SDPA mem-eff",
     "sdpa_math": "SDPA math",
+    "sdpa_nested": "SDPA nested",
     "flex": "FlexAttention",
 }
-SDPA_KEYS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
+SDPA_KEYS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "sdpa_nested")
 
 
 def backend_name(key):

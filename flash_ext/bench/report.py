@@ -2,6 +2,7 @@
 import math
 
 from .records import CELL_TAGS, OK, SDPA_KEYS, backend_name, order_backends
+from .shapes import dense_label
 
 MODE_TITLES = {"fwd": "forward", "bwd": "backward"}
 
@@ -88,10 +89,13 @@ def format_table(records, mode, backends=None, title=None):
     backends = list(backends or order_backends(r.backend for r in records if r.mode == mode))
     have_fa3 = "fa3" in backends and any(_timed(row.get("fa3")) for _, row in rows)
     have_bf16 = "flash_ext_bf16" in backends and any(_timed(row.get("flash_ext_bf16")) for _, row in rows)
+    have_dense = "flash_ext_dense" in backends and any(_timed(row.get("flash_ext_dense")) for _, row in rows)
     time_ratios = [k for k in TIME_RATIO_HEADERS if k in backends and any(_timed(row.get(k)) for _, row in rows)]
     header = ["shape"] + [backend_name(k) for k in backends] + ["best SDPA", "ext/SDPA"]
     if have_bf16:
         header.append("fp8/bf16")
+    if have_dense:
+        header.append("varlen/dense")
     if have_fa3:
         header.append("ext/FA3")
     header += [TIME_RATIO_HEADERS[k] for k in time_ratios]
@@ -118,6 +122,9 @@ def format_table(records, mode, backends=None, title=None):
         if have_bf16:
             rb = ratio_to(row, against="flash_ext_bf16")
             line.append(f"{rb:.2f}x" if rb is not None else "-")
+        if have_dense:
+            rd = ratio_to(row, against="flash_ext_dense")
+            line.append(f"{rd:.2f}x" if rd is not None else "-")
         if have_fa3:
             r3 = ratio_to(row, against="fa3")
             line.append(f"{r3:.2f}x" if r3 is not None else "-")
@@ -132,13 +139,26 @@ def format_table(records, mode, backends=None, title=None):
     if g is not None:
         n = sum(1 for r in ratios if r is not None)
         out.append(f"geomean flash_ext / best SDPA over {n} shape(s): {g:.2f}x")
+    if have_dense:
+        dense = [ratio_to(row, against="flash_ext_dense") for _, row in rows]
+        gd = geomean(dense)
+        if gd is not None:
+            out.append(f"geomean flash_ext varlen / flash_ext dense (same work) over {sum(1 for r in dense if r)} shape(s): "
+                       f"{gd:.2f}x")
     windowed = any(shape.has_window() for shape, _ in rows)
+    varlen = any(shape.is_varlen() for shape, _ in rows)
+    dense_labels = list(dict.fromkeys(dense_label(shape) for shape, _ in rows if shape.is_varlen()))  # '11 x 3107'
     out.append(
         "TFLOP/s (higher is better): "
         + ("forward 4*b*h*sq*sk*d, halved for causal sq == sk" if mode == "fwd" else "backward 2.5x the forward FLOPs")
         + ("; with a window (w) 4*b*h*d*(visible (query, key) pairs), exactly" if windowed else "")
+        + ("; varlen: 4*h*d*(each sequence's visible (query, key) pairs, s(s+1)/2 causal), SDPA's padding not "
+           "counted" if varlen else "")
         + "; ext/SDPA = flash_ext over the fastest correct SDPA backend"
         + ("; fp8/bf16 = flash_ext fp8 over its own bf16 forward on the same inputs" if have_bf16 else "")
+        + ("; varlen/dense = flash_ext varlen's TFLOP/s over its dense kernels' on the dense batch that does the "
+           f"same work ({', '.join(dense_labels)}: sequences of L = round(sum(s^2) / sum(s)), batch round(tokens / L); "
+           "the same (query, key) pairs and tokens up to rounding)" if have_dense else "")
         + "".join(f"; {TIME_RATIO_HEADERS[k]} = flash_ext's time over {backend_name(k)}'s (below 1: faster)"
                   for k in time_ratios)
         + "."

@@ -78,7 +78,8 @@ def free(device):
 
 
 def make_inputs(shape, dtype, device, scale, seed, need_dout):
-    """q, k, v (and dout) in (b, s, h, d): randn * scale (never zeros), identical for every backend."""
+    """q, k, v (and dout) in (b, s, h, d): randn * scale (never zeros), identical for every backend. A varlen
+    shape's packed rows are (1, total, h, d)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     work = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype  # randn has no fp8
@@ -87,6 +88,8 @@ def make_inputs(shape, dtype, device, scale, seed, need_dout):
         return torch.randn(*size, generator=gen, device=device, dtype=work).mul_(scale).to(dtype)
 
     b, sq, sk, h, hkv, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.headdim
+    if shape.is_varlen():
+        b, sq, sk = 1, shape.tokens, shape.tokens
     q, k, v = rnd(b, sq, h, d), rnd(b, sk, hkv, d), rnd(b, sk, hkv, d)
     dout = rnd(b, sq, h, d).to(work) if need_dout else None  # gradients arrive in 16 bits even for fp8
     return q, k, v, dout
@@ -163,6 +166,28 @@ def run_backend(backend, mode, q, k, v, dout, shape, scale, ref, device, timer, 
     return rec
 
 
+def problem_inputs(problem, tensors):
+    """The row's inputs as `problem` takes them: unchanged, or, for a dense problem drawn from a --varlen row's
+    packed (1, total, h, d) rows (flash_ext_dense: the dense batch of the same work, whose batch * seqlen is
+    the total only up to rounding), its batch * seqlen rows laid out as (batch, seqlen, h, d): the first
+    rows (a view) when there are enough, else the packed rows repeated (a copy; no sequence holds a row
+    twice, as seqlen <= total)."""
+    if problem.is_varlen() or tensors[0].shape[:2] == (problem.batch, problem.seqlen_q):
+        return tensors
+    rows = problem.batch * problem.seqlen_q
+
+    def lay_out(t):
+        if t is None:
+            return None
+        if t.shape[0] != 1 or problem.seqlen_q > t.shape[1]:
+            raise ValueError(f"cannot lay out inputs {tuple(t.shape)} as {problem.batch} x {problem.seqlen_q}")
+        if rows > t.shape[1]:
+            t = t.repeat(1, -(-rows // t.shape[1]), 1, 1)
+        return t[:, :rows].reshape(problem.batch, problem.seqlen_q, *t.shape[2:])
+
+    return tuple(lay_out(t) for t in tensors)
+
+
 def _reference(q, k, v, dout, shape, scale, cfg, need_bwd):
     """(reference or None, note): when the reference fails (OOM...), the backends are timed unchecked."""
     try:
@@ -188,9 +213,10 @@ def run_shape(shape, shape_idx, modes, backends, cfg, device, timer, peak_fn, pr
                                       flops=attention_flops(problems[be.key], mode)))
                 progress.step()
         return records
-    refs = {}  # problem -> (reference or None, note): the row's own first, then those of comparison columns
+    refs, inputs = {}, {}  # problem -> (reference or None, note), its inputs: the row's first, then comparisons'
     for problem in dict.fromkeys([shape, *problems.values()]):
-        refs[problem] = _reference(q, k, v, dout, problem, scale, cfg, need_bwd)
+        inputs[problem] = problem_inputs(problem, (q, k, v, dout))
+        refs[problem] = _reference(*inputs[problem], problem, scale, cfg, need_bwd)
         if refs[problem][0] is None:
             free(device)
     for mode in modes:
@@ -201,7 +227,8 @@ def run_shape(shape, shape_idx, modes, backends, cfg, device, timer, peak_fn, pr
             problem = problems[be.key]
             ref, ref_note = refs[problem]
             try:
-                rec = run_backend(be, mode, q, k, v, dout, shape, scale, ref, device, timer, peak_fn, exts[problem])
+                rec = run_backend(be, mode, *inputs[problem], shape, scale, ref, device, timer, peak_fn,
+                                  exts[problem])
             except FatalDeviceError as e:
                 rec = Record(shape, mode, be.key, status=ERROR, reason=str(e), flops=attention_flops(problem, mode))
                 raise FatalDeviceError(str(e), records + mode_recs + [rec]) from e
