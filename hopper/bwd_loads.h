@@ -14,6 +14,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "flash.h"
+#include "head_dim_boxes.h"
 #include "layouts.h"
 #include "mask.h"
 #include "softcap.h"
@@ -70,6 +71,7 @@ struct BwdLoads {
   using PipelineStateQ = typename PipelineQ::PipelineState;
   using PipelineStatedO = typename PipelinedO::PipelineState;
   using BarrierKV = cutlass::arch::ClusterTransactionBarrier;
+  using Boxes = HeadDimBoxes<Element, kHeadDim>;  // head_dim_boxes.h: boxes wholly past the head dim are skipped
 
   struct TensorStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
@@ -95,7 +97,6 @@ struct BwdLoads {
   static constexpr uint32_t kTmaBytesKV = uint32_t(cosize_v<SmemLayoutK> * sizeof(Element));
   static constexpr uint32_t kRowStatBytes = uint32_t(kBlockM * sizeof(float));
   static constexpr uint32_t kTmaBytesQ = uint32_t(size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element)) + kRowStatBytes;
-  static constexpr uint32_t kTmaBytesdO = kTmaBytesQ;  // dO and its dPsum: the same sizes
 
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
@@ -113,6 +114,7 @@ struct BwdLoads {
     int stats_head_blocks;  // Sequences::stats_head_stride / kBlockM, a kernel parameter rather than a register
     int band_left, band_right;  // the window's sides (Band::side): read by the causal kernels (band())
     ScoreScales scales;  // softmax scale and softcap (softcap.h)
+    int head_boxes;      // the head-dim boxes loaded and stored (HeadDimBoxes::used)
   };
 
   // `packed`: where VarlenPrepare writes the sequences of a varlen call.
@@ -136,7 +138,40 @@ struct BwdLoads {
             int(Sequences::make(p, packed).template stats_rows_per_head<kBlockM>() / kBlockM),
             Band::side(p.options.window_left),
             Band::side(p.options.window_right),
-            ScoreScales::make(p.softmax_scale, p.options.softcap)};
+            ScoreScales::make(p.softmax_scale, p.options.softcap),
+            Boxes::used(p.headdim)};
+  }
+
+  // The bytes a K (or V) load brings, and a Q (or dO: the same sizes) load with its row statistics: the
+  // boxes loaded.
+  __device__ static uint32_t tma_bytes_kv(Params const& params) {
+    return Boxes::kMaySkip ? kTmaBytesKV / Boxes::kCount * params.head_boxes : kTmaBytesKV;
+  }
+  __device__ static uint32_t tma_bytes_q(Params const& params) {
+    return Boxes::kMaySkip ? (kTmaBytesQ - kRowStatBytes) / Boxes::kCount * params.head_boxes + kRowStatBytes : kTmaBytesQ;
+  }
+
+  // All threads, before the CTA's first barrier: zeros in the head-dim boxes that no TMA load writes
+  // (head_dim_boxes.h), for every GEMM operand the loads fill.
+  __device__ static void zero_unloaded_boxes(Params const& params, TensorStorage& tensors, int thread, int num_threads) {
+    if constexpr (Boxes::kMaySkip) {
+      int const col0 = params.head_boxes * Boxes::kCols;
+      if (col0 >= kHeadDim) { return; }
+      int const cols = kHeadDim - col0;
+      auto zero = [&](auto tensor) {  // (rows, head dim, stages)
+        int const rows = size<0>(tensor), stages = size<2>(tensor);
+        for (int i = thread; i < rows * cols * stages; i += num_threads) {
+          int const s = i / (rows * cols), rc = i - s * rows * cols;
+          tensor(rc / cols, col0 + rc % cols, s) = Element(0);
+        }
+      };
+      auto with_stage = [](auto const& layout) { return append<3>(layout, Layout<_1>{}); };
+      zero(make_tensor(make_smem_ptr(tensors.smem_k.data()), with_stage(SmemLayoutK{})));
+      zero(make_tensor(make_smem_ptr(tensors.smem_v.data()), with_stage(SmemLayoutK{})));
+      zero(make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{}));
+      zero(make_tensor(make_smem_ptr(tensors.smem_do.data()), SmemLayoutdO{}));
+      cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the GEMMs (async proxy)
+    }
   }
 
   // The keys each query of sequence `seq` sees (mask.h).
@@ -170,6 +205,13 @@ struct BwdLoads {
     return pipeline_params;
   }
 
+  // A TMA copy of a tile partitioned by tma_partition, ((TMA, box)), without the boxes wholly past the
+  // head dim (head_dim_boxes.h). The epilogue's stores take the same path.
+  template <class TmaCopy, class Src, class Dst>
+  __device__ static void copy_boxes(Params const& params, TmaCopy const& tma, Src const& src, Dst const& dst) {
+    copy_head_boxes<Boxes>(params.head_boxes, tma, src, dst);
+  }
+
   // One thread of the producer warp.
   __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers, PipelineQ& pipeline_q,
                               PipelinedO& pipeline_do, BwdWork const& work) {
@@ -187,9 +229,9 @@ struct BwdLoads {
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
     using BarrierType = typename BarrierKV::ValueType;
-    barriers.barrier_kv.arrive_and_expect_tx(2 * kTmaBytesKV);
-    copy(params.tma_k.with(reinterpret_cast<BarrierType&>(barriers.barrier_kv), 0), tKgK, tKsK);
-    copy(params.tma_v.with(reinterpret_cast<BarrierType&>(barriers.barrier_kv), 0), tVgV, tVsV);
+    barriers.barrier_kv.arrive_and_expect_tx(2 * tma_bytes_kv(params));
+    copy_boxes(params, params.tma_k.with(reinterpret_cast<BarrierType&>(barriers.barrier_kv), 0), tKgK, tKsK);
+    copy_boxes(params, params.tma_v.with(reinterpret_cast<BarrierType&>(barriers.barrier_kv), 0), tVgV, tVsV);
 
     PipelineStateQ write_state_q = cutlass::make_producer_start_state<PipelineQ>();
     // dO keeps a state of its own only where its depth differs from Q's: a second state is two more of the
@@ -218,12 +260,12 @@ struct BwdLoads {
 
       pipeline_q.producer_acquire(write_state_q);
       BarrierType* barrier_q = pipeline_q.producer_get_barrier(write_state_q);
-      copy(params.tma_q.with(*barrier_q, 0), tQgQ, tQsQ(_, stage_q));
+      copy_boxes(params, params.tma_q.with(*barrier_q, 0), tQgQ, tQsQ(_, stage_q));
       SM90_BULK_COPY_G2S::copy(params.lse_log2 + row_stats, barrier_q, tensors.smem_lse + stage_q * kBlockM, kRowStatBytes);
 
       pipeline_do.producer_acquire(write_state_do);
       BarrierType* barrier_do = pipeline_do.producer_get_barrier(write_state_do);
-      copy(params.tma_do.with(*barrier_do, 0), tdOgdO, tdOsdO(_, stage_do));
+      copy_boxes(params, params.tma_do.with(*barrier_do, 0), tdOgdO, tdOsdO(_, stage_do));
       SM90_BULK_COPY_G2S::copy(params.dpsum + row_stats, barrier_do, tensors.smem_dpsum + stage_do * kBlockM, kRowStatBytes);
       ++write_state_q;
       if constexpr (kStagesQ != kStagesdO) { ++write_state_do; }

@@ -9,6 +9,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "flash.h"
+#include "head_dim_boxes.h"
 #include "layouts.h"
 #include "named_barriers.h"
 #include "utils.h"
@@ -45,9 +46,10 @@ struct BwdEpilogue {
 
   // All consumer threads. smem_k / smem_v: K's and V's buffers, free once every consumer is past its last GEMM.
   template <class FragdKV>
-  // k_rows: where the K/V block's sequence is (varlen.h).
+  // k_rows: where the K/V block's sequence is (varlen.h); head_boxes: the head-dim boxes stored (head_dim_boxes.h).
   __device__ static void store(Params const& params, Element* smem_k, Element* smem_v, int n_block, int kv_head,
-                               TmaRows const& k_rows, int thread_idx, FragdKV const& tdKrdK, FragdKV const& tdVrdV) {
+                               TmaRows const& k_rows, int head_boxes, int thread_idx, FragdKV const& tdKrdK,
+                               FragdKV const& tdVrdV) {
     Tensor sdK = make_tensor(make_smem_ptr(smem_k), SmemLayoutKV{});
     Tensor sdV = make_tensor(make_smem_ptr(smem_v), SmemLayoutKV{});
     Tensor tdKrdK_out = make_tensor_like<Element>(tdKrdK);
@@ -81,8 +83,9 @@ struct BwdEpilogue {
                               make_coord(n_block, _0{}));
       auto [tdKgdK, tdKsdK] = tma_partition(params.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sdK), group_modes<0, 2>(gdK));
       auto [tdVgdV, tdVsdV] = tma_partition(params.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sdV), group_modes<0, 2>(gdV));
-      copy(params.tma_dk, tdKsdK, tdKgdK);
-      copy(params.tma_dv, tdVsdV, tdVgdV);
+      using Boxes = HeadDimBoxes<Element, kHeadDim>;  // boxes wholly past the head dim are not stored
+      copy_head_boxes<Boxes>(head_boxes, params.tma_dk, tdKsdK, tdKgdK);
+      copy_head_boxes<Boxes>(head_boxes, params.tma_dv, tdVsdV, tdVgdV);
       tma_store_arrive();
       tma_store_wait<0>();  // shared memory must outlive the TMA unit's reads
     }

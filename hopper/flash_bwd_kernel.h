@@ -107,11 +107,12 @@ struct BwdKernel {
     }
     bool const is_producer_warpgroup = warp_group_idx == 0;
     PipelineQ pipeline_q(storage.barriers.pipeline_q,
-                         Loads::template pipeline_params<PipelineQ>(Loads::kTmaBytesQ, is_producer_warpgroup, is_producer_thread),
+                         Loads::template pipeline_params<PipelineQ>(Loads::tma_bytes_q(params.loads), is_producer_warpgroup, is_producer_thread),
                          Shape<_1, _1, _1>{});
     PipelinedO pipeline_do(storage.barriers.pipeline_do,
-                           Loads::template pipeline_params<PipelinedO>(Loads::kTmaBytesdO, is_producer_warpgroup, is_producer_thread),
+                           Loads::template pipeline_params<PipelinedO>(Loads::tma_bytes_q(params.loads), is_producer_warpgroup, is_producer_thread),
                           Shape<_1, _1, _1>{});
+    Loads::zero_unloaded_boxes(params.loads, storage.loaded, int(threadIdx.x), kNumThreads);
     __syncthreads();
 
     Band const band = Loads::shared_band(params.loads, storage.loaded);
@@ -174,7 +175,7 @@ struct BwdKernel {
       for (int i = 0; i < size(tdKrdK); ++i) { tdKrdK(i) *= params.softmax_scale; }
       TmaRows const volatile& k_rows = storage.loaded.k_rows;
       Epilogue::store(params.epilogue, storage.loaded.smem_k.data(), storage.loaded.smem_v.data(), work.n_block, work.kv_head,
-                      TmaRows{k_rows.row_shift, k_rows.batch_coord}, thread_idx, tdKrdK, tdVrdV);
+                      TmaRows{k_rows.row_shift, k_rows.batch_coord}, params.loads.head_boxes, thread_idx, tdKrdK, tdVrdV);
     }
   }
 };

@@ -22,6 +22,7 @@ Varlen runs the kernels of the dense op (flash_ext.has_kernel's table): a case w
 is skipped with the reason, as is every case when the build has no varlen ops.
 """
 import math
+import os
 
 import pytest
 import torch
@@ -313,12 +314,47 @@ def test_varlen_seqused_backward(headdim, window, causal, variant, heads, dtype)
     _check_grads(batch, causal, window)
 
 
-@pytest.mark.parametrize("headdim", [40, 200])
+@pytest.mark.parametrize("headdim", [40, 136, 160, 192, 200])
 def test_varlen_headdims_between_kernels(headdim):
-    """Head dims without a kernel of their own run on the next size up, both ways."""
+    """Head dims without a kernel of their own run on the next size up, both ways (136..192: the d256
+    backward kernel with its last head-dim box left out, hopper/head_dim_boxes.h)."""
     batch = Batch(BATCHES["cross"], 4, 2, headdim, torch.bfloat16, seed=headdim)
     _check_forward(batch, causal=True)
     _check_grads(batch, causal=False, window=(30, 20))
+
+
+@pytest.mark.parametrize("headdim", [160, 192])
+def test_varlen_backward_box_past_head_dim(headdim):
+    """The case that faulted (illegal address) before the d256 backward kernel left out the head-dim box
+    wholly past a 192-wide head: two sequences that fill their tensors, seqused given, in a fresh process
+    every time. Here it runs wherever the allocator puts the tensors, and must match the reference."""
+    batch = Batch([(300, 300), (300, 300)], 4, 4, headdim, torch.bfloat16, seed=headdim, seqused_q=[300, 300],
+                  seqused_k=[300, 300])
+    _check_grads(batch, causal=False)
+
+
+_FRESH_PROCESS_CASE = """
+import math, torch, flash_ext
+hd = {headdim}
+q, k, v, dout = (torch.randn(600, 4, hd, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+cu = torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda")
+used = torch.tensor([300, 300], dtype=torch.int32, device="cuda")
+args = (cu, cu, used, used, 300, 300, 1 / math.sqrt(hd), False)
+out, lse = torch.ops.flash_ext.fwd_varlen(q, k, v, *args, -1, -1, 0.0)
+grads = torch.ops.flash_ext.bwd_varlen(dout, q, k, v, out, lse, None, *args, False, -1, -1, 0.0)
+assert all(bool(torch.isfinite(g).all()) for g in grads)
+"""
+
+
+@pytest.mark.parametrize("headdim", [160, 192])
+def test_varlen_backward_box_past_head_dim_fresh_process(headdim):
+    """The same in a fresh process, where it faulted every time (this allocation order put a tensor where
+    the TMA unit's access for the empty box failed)."""
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_CASE.format(headdim=headdim)], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------------
