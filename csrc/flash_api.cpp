@@ -49,6 +49,14 @@ using NamedTensors = std::vector<std::pair<at::Tensor const*, char const*>>;
 void add_present(NamedTensors& list, std::optional<at::Tensor> const& t, char const* name) {
   if (t.has_value()) { list.push_back({&*t, name}); }
 }
+// The tensors of a varlen call's offsets and used lengths.
+void add_varlen(NamedTensors& list, at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
+                std::optional<at::Tensor> const& seqused_q, std::optional<at::Tensor> const& seqused_k) {
+  list.push_back({&cu_seqlens_q, "cu_seqlens_q"});
+  list.push_back({&cu_seqlens_k, "cu_seqlens_k"});
+  add_present(list, seqused_q, "seqused_q");
+  add_present(list, seqused_k, "seqused_k");
+}
 
 // The problem sizes and score options both directions' parameters carry.
 template <class Params>
@@ -244,9 +252,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_varlen(at::Tensor const& q, at::Tenso
                                               max_seqlen_k, softmax_scale, op);
   auto const& s = vs.shape;
   auto const options = flash_api::check_score_options(causal, window_left, window_right, softcap, s);
-  NamedTensors on_gpu{{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}};
-  add_present(on_gpu, seqused_q, "seqused_q");
-  add_present(on_gpu, seqused_k, "seqused_k");
+  NamedTensors on_gpu{{&q, "q"}, {&k, "k"}, {&v, "v"}};
+  add_varlen(on_gpu, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
   flash_api::check_on_gpu(on_gpu, op);
   auto const& kernel = find_kernel<flash::FwdParams>("forward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kFwd),
                                                      q.scalar_type(), causal, options.banded);
@@ -292,11 +299,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_varlen(
   flash_api::check_tensor_like(out, "out", q.sizes(), q.scalar_type(), "q");
   flash_api::check_lse(lse, "lse", s, vs.total_q);
   if (dlse.has_value()) { flash_api::check_lse(*dlse, "dlse", s, vs.total_q); }
-  NamedTensors on_gpu{{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}, {&out, "out"}, {&lse, "lse"},
-                      {&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}};
+  NamedTensors on_gpu{{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}, {&out, "out"}, {&lse, "lse"}};
   add_present(on_gpu, dlse, "dlse");
-  add_present(on_gpu, seqused_q, "seqused_q");
-  add_present(on_gpu, seqused_k, "seqused_k");
+  add_varlen(on_gpu, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
   flash_api::check_on_gpu(on_gpu, op);
   auto const& kernel = find_kernel<flash::BwdParams>("backward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kBwd),
                                                      q.scalar_type(), causal, options.banded);

@@ -36,18 +36,16 @@ struct BwdPostprocess {
     float softmax_scale;
   };
 
-  // As the preprocess's grid.
-  static dim3 grid(Sequences const& seqs) {
-    return dim3(unsigned(seqs.stats_blocks_per_head<kBlockM>()), unsigned(seqs.nheads), seqs.varlen() ? 1u : unsigned(seqs.batch));
-  }
+  // A CTA per block of kBlockM query rows (Sequences::stats_grid).
+  static dim3 grid(Sequences const& seqs) { return seqs.stats_grid<kBlockM>(); }
 
   __device__ static void run(Params const& params, char* smem) {
     int const head = blockIdx.y;
-    int const batch = params.seqs.varlen() ? params.stats_block_batch[blockIdx.x] : int(blockIdx.z);
-    if (batch < 0) { return; }
-    SeqInfo const seq = params.seqs.at(batch);
-    int64_t const stats_base = params.seqs.template stats_base<kBlockM>(seq, batch);
-    int const m_block = int(blockIdx.x) - (params.seqs.varlen() ? int(stats_base / kBlockM) : 0);
+    auto const block = params.seqs.template stats_block<kBlockM>(params.stats_block_batch);
+    if (block.batch < 0) { return; }
+    int const batch = block.batch, m_block = block.m_block;
+    SeqInfo const& seq = block.seq;
+    int64_t const stats_base = block.stats_base;
     int const thread_idx = threadIdx.x;
     int64_t const block_index = (stats_base + head * params.seqs.template stats_head_stride<kBlockM>()) / kBlockM + m_block;
     auto const* src = reinterpret_cast<float4 const*>(params.accum + block_index * kBlockFloats);

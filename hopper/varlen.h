@@ -103,6 +103,30 @@ struct Sequences {
   // Blocks of kBlockM rows per head of the statistics (the varlen postprocess and preprocess walk them all).
   template <int kBlockM>
   __host__ __device__ __forceinline__ int stats_blocks_per_head() const { return int(stats_rows_per_head<kBlockM>() / kBlockM); }
+
+  // The backward's pre- and postprocess grids: a CTA per block of kBlockM query rows, dense (blocks, heads,
+  // batch); varlen, every block of a head's statistics (those of no sequence return at once).
+  template <int kBlockM>
+  dim3 stats_grid() const {
+    return dim3(unsigned(stats_blocks_per_head<kBlockM>()), unsigned(nheads), varlen() ? 1u : unsigned(batch));
+  }
+  // The block of such a CTA: its batch entry (< 0: the block is no sequence's), the sequence, the row of its
+  // head 0's first statistic (stats_base) and its query block within the sequence.
+  struct StatsBlock {
+    int batch;
+    SeqInfo seq;
+    int64_t stats_base;
+    int m_block;
+  };
+  // stats_block_batch: varlen, the batch entry of each block (VarlenPrepare's).
+  template <int kBlockM>
+  __device__ __forceinline__ StatsBlock stats_block(int const* stats_block_batch) const {
+    int const b = varlen() ? stats_block_batch[blockIdx.x] : int(blockIdx.z);
+    if (b < 0) { return {b, SeqInfo{0, 0, 0, 0}, 0, 0}; }
+    SeqInfo const seq = at(b);
+    int64_t const base = stats_base<kBlockM>(seq, b);
+    return {b, seq, base, int(blockIdx.x) - (varlen() ? int(base / kBlockM) : 0)};
+  }
 };
 
 // Host: the TMA's view of q, k, v, o or a gradient ((seqlen, headdim, heads, batch), layouts.h) with
