@@ -10,6 +10,7 @@
     out = flash_ext.sdpa(query, key, value, is_causal=True)   # F.scaled_dot_product_attention's signature
     q8, k8, v8, qd, kd, vd = flash_ext.fp8.quantize_qkv(q, k, v)  # FP8 forward: e4m3 in, bf16 out
     out, lse = flash_ext.forward(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    out, lse = flash_ext.combine(out_parts, lse_parts)  # attentions over disjoint parts of the keys, merged
 
 q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), fp16 or bf16 on an
 sm_90 GPU (flash_attn_varlen_func: the sequences packed, q (total_q, nheads, headdim), k, v (total_k,
@@ -18,6 +19,7 @@ nheads_kv, headdim), with int32 offsets cu_seqlens_q, cu_seqlens_k of shape (bat
 `flash_ext.kernel_table` the list of kernels a full build compiles.
 """
 from . import fp8, kernel_table, reference
+from .combine import combine
 from .fa3_compat import flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func
 from .interface import attention, backward, build_info, extension_available, forward, has_kernel, kernel_headdim
 from .kernel_table import KERNEL_HEADDIMS
@@ -34,6 +36,7 @@ __all__ = [
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
     "sdpa",
+    "combine",
     "attention_ref",
     "reference",
     "fp8",
