@@ -15,6 +15,8 @@ logsumexp of the logits actually used. Queries that see no key get out = 0 and l
   runs it), differentiable through torch.autograd and returning (out, lse): the reference of the backward.
 - attention_varlen_ref / attention_varlen_lowp / attention_varlen_autograd: the three above for a batch of
   variable-length sequences packed without padding (flash_attn_varlen_func's layouts), sequence by sequence.
+- attention_kvcache_ref: attention_ref for decoding from a KV cache, contiguous or paged, with new keys
+  appended (flash_attn_with_kvcache's semantics); returns the caches as they are after the append too.
 - attention_fp8_emulation: the FP8 forward's arithmetic in float64 except for its two roundings to e4m3
   (the inputs, given already quantized, and P scaled by 2^max_offset): the yardstick of the FP8 error rule.
 - softmax_three_pass / softmax_online_two_pass: the seed's strategies 1 and 2 on the rows of a 2-D tensor.
@@ -382,6 +384,94 @@ def attention_varlen_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale
         blank(cu_q[b + 1] - q0 - nq)  # the sequence's rows past seqused_q
     lses.append(torch.empty(nheads, 0, dtype=soft, device=q.device))
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decoding from a KV cache
+# ----------------------------------------------------------------------------------------------------------
+#
+# flash_attn_with_kvcache's semantics (FlashAttention's names): the cache holds, for batch entry b,
+# cache_seqlens[b] keys; new keys k[b] (seqlen_new of them, optional) are written after them, and q[b]
+# attends to the cache_seqlens[b] + seqlen_new keys, masks bottom-right aligned to that length. The cache is
+# contiguous, (batch_cache, seqlen_cache, nheads_kv, headdim), entry b in row cache_batch_idx[b] (default b),
+# or paged, (num_pages, page_size, nheads_kv, headdim), with key r of entry b in page page_table[b, r //
+# page_size] at offset r % page_size.
+
+def _kvcache_rows(b, count, start, k_cache, cache_batch_idx, page_table):
+    """(index tuples into k_cache's first two dims) of keys start .. start + count - 1 of batch entry b."""
+    rows = torch.arange(start, start + count)
+    if page_table is None:
+        entry = b if cache_batch_idx is None else int(cache_batch_idx[b])
+        return torch.full_like(rows, entry), rows
+    page_size = k_cache.shape[1]
+    return page_table[b].cpu().long()[rows // page_size], rows % page_size
+
+
+def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+                          page_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+    """attention_ref over a KV cache (layouts above), in float64, leaving its inputs unchanged.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_new, nheads_kv, headdim) or None;
+    cache_seqlens: None (every entry full: contiguous caches only), an int, or one length per entry;
+    cache_batch_idx: (batch,) rows of a contiguous cache; page_table: (batch, pages per entry) int.
+    Returns out (batch, seqlen_q, nheads, headdim) and lse (batch, nheads, seqlen_q), float64, and the
+    caches as they are after the new keys are written (copies, in the caches' dtype). An entry with no key
+    gets out = 0 and lse = -inf. ValueError when the lengths, page table or indices do not fit the cache."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[-1] != headdim \
+            or nheads % k_cache.shape[2] != 0:
+        raise ValueError(f"k_cache and v_cache must be (batch_cache or num_pages, seqlen_cache or page_size, "
+                         f"nheads_kv, {headdim}) with nheads_kv dividing {nheads}; got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values) or both be None")
+    seqlen_new = 0 if k is None else k.shape[1]
+    if k is not None and (k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]):
+        raise ValueError(f"k and v must be (batch={batch}, seqlen_new, {k_cache.shape[2]}, {headdim}); got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if page_table is not None and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx selects rows of a contiguous cache; a paged cache takes page_table alone")
+    if page_table is not None:
+        if page_table.dim() != 2 or page_table.shape[0] != batch:
+            raise ValueError(f"page_table must be (batch={batch}, pages per entry), got {tuple(page_table.shape)}")
+        bad = (page_table < 0) | (page_table >= k_cache.shape[0])
+        if bad.any():
+            raise ValueError(f"page_table holds pages outside 0..{k_cache.shape[0] - 1}")
+        capacity = page_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is not None:
+            idx = torch.as_tensor(cache_batch_idx).tolist()
+            if len(idx) != batch or any(not 0 <= i < k_cache.shape[0] for i in idx):
+                raise ValueError(f"cache_batch_idx must hold {batch} rows of the cache (0..{k_cache.shape[0] - 1})")
+        elif k_cache.shape[0] < batch:
+            raise ValueError(f"a contiguous cache needs a row per batch entry ({batch}), got {k_cache.shape[0]}")
+    if cache_seqlens is None:
+        if page_table is not None:
+            raise ValueError("a paged cache needs cache_seqlens")
+        lens = [capacity - seqlen_new] * batch
+    elif isinstance(cache_seqlens, int):
+        lens = [cache_seqlens] * batch
+    else:
+        lens = torch.as_tensor(cache_seqlens).tolist()
+    if len(lens) != batch or any(n < 0 or n + seqlen_new > capacity for n in lens):
+        raise ValueError(f"cache_seqlens {lens} plus {seqlen_new} new keys must fit the cache's {capacity} per entry")
+    scale = _default_scale(softmax_scale, headdim)
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full((batch, nheads, seqlen_q), -math.inf, dtype=torch.float64, device=q.device)
+    for b in range(batch):
+        if seqlen_new:
+            at = _kvcache_rows(b, seqlen_new, lens[b], k_cache, cache_batch_idx, page_table)
+            k_cache[at] = k[b].to(k_cache.dtype)
+            v_cache[at] = v[b].to(v_cache.dtype)
+        total = lens[b] + seqlen_new
+        if total == 0 or seqlen_q == 0:
+            continue  # no key: out 0, lse -inf as filled
+        rows = _kvcache_rows(b, total, 0, k_cache, cache_batch_idx, page_table)
+        o, l = attention_ref(q[b:b + 1], k_cache[rows][None], v_cache[rows][None], scale, causal, window_size, softcap)
+        out[b], lse[b] = o[0], l[0]
+    return out, lse, k_cache, v_cache
 
 
 # ----------------------------------------------------------------------------------------------------------
