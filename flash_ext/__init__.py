@@ -21,6 +21,7 @@ nheads_kv, headdim), with int32 offsets cu_seqlens_q, cu_seqlens_k of shape (bat
 from . import fp8, kernel_table, reference
 from .combine import combine
 from .fa3_compat import flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func
+from .kvcache import flash_attn_with_kvcache
 from .interface import attention, backward, build_info, extension_available, forward, has_kernel, kernel_headdim
 from .kernel_table import KERNEL_HEADDIMS
 from .reference import attention_ref
@@ -35,6 +36,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "sdpa",
     "combine",
     "attention_ref",
