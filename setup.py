@@ -4,9 +4,11 @@ Build switches (environment variables), so a developer can rebuild one kernel in
 
   FLASH_EXT_HEADDIMS   comma list of kernel head dims to compile, from 64,96,128,192,256 (default: all)
   FLASH_EXT_DTYPES     comma list from fp16,bf16,e4m3 (default: all; e4m3 = FP8, forward only)
-  FLASH_EXT_CAUSAL     comma list from 0,1: non-causal and/or causal kernels (default: both)
+  FLASH_EXT_CAUSAL     comma list from 0,1: non-causal and/or causal attention kernels (default: both)
   FLASH_EXT_BACKWARD   1/0: compile the backward kernels (default 1)
   FLASH_EXT_FORWARD    1/0: compile the forward kernels (default 1; 0 for backward-only variant builds)
+  FLASH_EXT_DECODE     1/0: compile the decode kernels of flash_attn_with_kvcache (default 1; they take every
+                       mask at run time, so FLASH_EXT_CAUSAL does not select them)
   FLASH_EXT_PTXAS_V    1: print ptxas resource usage (registers, spills, smem) for every kernel
   MAX_JOBS             parallel compile jobs (honoured by torch's ninja build)
   CUDA_HOME            CUDA toolkit (default: /usr/local/cuda, else the directory above `nvcc`)
@@ -84,7 +86,8 @@ def _selected_kernels():
     kernel_hdims = {direction: {table.kernel_headdim(h, direction) for h in hdims} for direction in table.HEADDIMS_BY_DIRECTION}
     dtypes = _parse_list("FLASH_EXT_DTYPES", tuple(table.DTYPES), tuple(table.DTYPES))
     causal = [c == "1" for c in _parse_list("FLASH_EXT_CAUSAL", ("0", "1"), ("0", "1"))]
-    directions = [direction for direction, switch in (("fwd", "FLASH_EXT_FORWARD"), ("bwd", "FLASH_EXT_BACKWARD"))
+    directions = [direction for direction, switch in (("fwd", "FLASH_EXT_FORWARD"), ("bwd", "FLASH_EXT_BACKWARD"),
+                                                      ("decode", "FLASH_EXT_DECODE"))
                   if _parse_list(switch, ("0", "1"), ("1",)) == ["1"]]
     sources = []
     for entry in table.all_kernels():
@@ -92,7 +95,7 @@ def _selected_kernels():
         if not path.exists():
             raise RuntimeError(f"{path} is missing; run python hopper/generate_kernels.py")
         if (entry.direction in directions and entry.headdim in kernel_hdims[entry.direction] and entry.dtype in dtypes
-                and entry.causal in causal):
+                and (entry.causal in causal or len(table.CAUSAL_BY_DIRECTION[entry.direction]) == 1)):
             sources.append(str(path.relative_to(ROOT)))
     defines = [f"-DFLASH_EXT_{direction.upper()}_HEADDIMS=" + ",".join(map(str, headdims))
                for direction, headdims in table.HEADDIMS_BY_DIRECTION.items()]

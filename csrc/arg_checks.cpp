@@ -11,8 +11,8 @@
 #include <sstream>
 #include <string>
 
-#if !defined(FLASH_EXT_FWD_HEADDIMS) || !defined(FLASH_EXT_BWD_HEADDIMS)
-#error "setup.py passes FLASH_EXT_FWD_HEADDIMS and FLASH_EXT_BWD_HEADDIMS from flash_ext/kernel_table.py"
+#if !defined(FLASH_EXT_FWD_HEADDIMS) || !defined(FLASH_EXT_BWD_HEADDIMS) || !defined(FLASH_EXT_DECODE_HEADDIMS)
+#error "setup.py passes FLASH_EXT_{FWD,BWD,DECODE}_HEADDIMS from flash_ext/kernel_table.py"
 #endif
 
 namespace flash_api {
@@ -20,6 +20,7 @@ namespace {
 
 constexpr int kFwdHeadDims[] = {FLASH_EXT_FWD_HEADDIMS};
 constexpr int kBwdHeadDims[] = {FLASH_EXT_BWD_HEADDIMS};
+constexpr int kDecodeHeadDims[] = {FLASH_EXT_DECODE_HEADDIMS};
 constexpr int kMaxHeadDim = kFwdHeadDims[sizeof(kFwdHeadDims) / sizeof(int) - 1];
 
 // Messages speak Python: torch.float16, (1, 8, 2, 64).
@@ -115,7 +116,11 @@ int next_kernel_headdim(int const (&headdims)[N], int64_t headdim) {
 }  // namespace
 
 int kernel_headdim(int64_t headdim, Direction direction) {
-  return direction == Direction::kFwd ? next_kernel_headdim(kFwdHeadDims, headdim) : next_kernel_headdim(kBwdHeadDims, headdim);
+  switch (direction) {
+    case Direction::kFwd: return next_kernel_headdim(kFwdHeadDims, headdim);
+    case Direction::kBwd: return next_kernel_headdim(kBwdHeadDims, headdim);
+    default: return next_kernel_headdim(kDecodeHeadDims, headdim);
+  }
 }
 
 namespace {
@@ -273,6 +278,98 @@ void check_lse(at::Tensor const& t, char const* name, AttentionShape const& s, i
                     " (the forward's lse for these q, k, v), got ", tuple_str(t.sizes()));
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be torch.float32 (as the forward returns it), got ",
                    torch_name(t.scalar_type()));
+}
+
+namespace {
+// An int32 index tensor of exactly `sizes`, its last dim contiguous (the kernel reads it with that stride).
+void check_index(at::Tensor const& t, char const* name, std::vector<int64_t> const& sizes, char const* shape_name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, name, " must be torch.int32, got ", torch_name(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(sizes), name, " must have shape ", shape_name, " = ", tuple_str(sizes),
+                    ", got ", tuple_str(t.sizes()));
+  TORCH_CHECK_VALUE(t.numel() == 0 || t.size(-1) == 1 || t.stride(-1) == 1, name, " must be contiguous in its last dim, "
+                    "got strides ", tuple_str(t.strides()), "; call .contiguous()");
+}
+}  // namespace
+
+DecodeShape check_decode(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor const& v_cache,
+                         std::optional<at::Tensor> const& k_new, std::optional<at::Tensor> const& v_new,
+                         at::Tensor const& cache_seqlens, std::optional<at::Tensor> const& cache_batch_idx,
+                         std::optional<at::Tensor> const& page_table, double softmax_scale, int64_t num_splits,
+                         char const* op) {
+  check_rank_and_dtype(q, "q", op, /*allow_fp8=*/false);
+  check_rank_and_dtype(k_cache, "k_cache", op, /*allow_fp8=*/false);
+  check_rank_and_dtype(v_cache, "v_cache", op, /*allow_fp8=*/false);
+  TORCH_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+                   "k_cache and v_cache must have q's dtype ", torch_name(q.scalar_type()), ", got ",
+                   torch_name(k_cache.scalar_type()), " and ", torch_name(v_cache.scalar_type()));
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have one shape, got ",
+                    tuple_str(k_cache.sizes()), " and ", tuple_str(v_cache.sizes()));
+  DecodeShape d{};
+  AttentionShape& s = d.shape;
+  s.batch = q.size(0);
+  s.seqlen_q = q.size(1);
+  s.nheads = q.size(2);
+  s.headdim = q.size(3);
+  s.nheads_kv = k_cache.size(2);
+  TORCH_CHECK_VALUE(k_cache.size(3) == s.headdim, "head dim mismatch: q has ", s.headdim, ", k_cache and v_cache have ",
+                    k_cache.size(3));
+  TORCH_CHECK_VALUE(s.nheads >= 1 && s.nheads_kv >= 1 && s.nheads % s.nheads_kv == 0, "nheads (", s.nheads,
+                    ") must be a multiple of the caches' nheads_kv (", s.nheads_kv, ")");
+  int const max_headdim = kDecodeHeadDims[sizeof(kDecodeHeadDims) / sizeof(int) - 1];
+  TORCH_CHECK_VALUE(s.headdim % 8 == 0 && s.headdim >= 8 && s.headdim <= max_headdim, "head dim ", s.headdim,
+                    " is not supported: it must be a multiple of 8 in [8, ", max_headdim, "]");
+  d.cache_entries = k_cache.size(0);
+  if (page_table.has_value()) {
+    TORCH_CHECK_VALUE(!cache_batch_idx.has_value(), "cache_batch_idx selects entries of a contiguous cache; with "
+                      "page_table (a paged cache) it must be None");
+    TORCH_CHECK_VALUE(page_table->dim() == 2, "page_table must have 2 dims (batch, pages_per_seq), got shape ",
+                      tuple_str(page_table->sizes()));
+    d.pages_per_seq = page_table->size(1);
+    check_index(*page_table, "page_table", {s.batch, d.pages_per_seq}, "(batch, pages_per_seq)");
+    d.page_size = k_cache.size(1);
+    TORCH_CHECK_VALUE(d.page_size > 0 && d.page_size % 16 == 0, "a paged cache's page size (k_cache.shape[1]) must be a "
+                      "positive multiple of 16, got ", d.page_size);
+    s.seqlen_k = d.pages_per_seq * d.page_size;
+    TORCH_CHECK_VALUE(s.seqlen_k == 0 || d.cache_entries >= 1, "page_table lists pages of an empty cache");
+  } else {
+    s.seqlen_k = k_cache.size(1);
+    if (cache_batch_idx.has_value()) {
+      check_index(*cache_batch_idx, "cache_batch_idx", {s.batch}, "(batch,)");
+      TORCH_CHECK_VALUE(s.batch == 0 || d.cache_entries >= 1, "cache_batch_idx selects entries of an empty cache");
+    } else {
+      TORCH_CHECK_VALUE(d.cache_entries >= s.batch, "k_cache and v_cache need an entry per sequence: ", s.batch,
+                        " sequences, ", d.cache_entries, " entries (or pass cache_batch_idx)");
+    }
+  }
+  check_index(cache_seqlens, "cache_seqlens", {s.batch}, "(batch,)");
+  TORCH_CHECK_VALUE(k_new.has_value() == v_new.has_value(), "k and v (the new keys and values) must be given together");
+  if (k_new.has_value()) {
+    d.seqlen_new = k_new->size(1);
+    std::vector<int64_t> const sizes{s.batch, d.seqlen_new, s.nheads_kv, s.headdim};
+    TORCH_CHECK_VALUE(k_new->dim() == 4, "k must have 4 dims (batch, seqlen_new, nheads_kv, headdim), got shape ",
+                      tuple_str(k_new->sizes()));
+    check_tensor_like(*k_new, "k", sizes, q.scalar_type(), "(batch, seqlen_new, nheads_kv, headdim) in q's dtype");
+    check_tensor_like(*v_new, "v", sizes, q.scalar_type(), "(batch, seqlen_new, nheads_kv, headdim) in q's dtype");
+    TORCH_CHECK_VALUE(d.seqlen_new <= s.seqlen_k, "k and v hold ", d.seqlen_new, " new keys per sequence, more than the "
+                      "cache holds (", s.seqlen_k, ")");
+  }
+  // 32-bit key positions with room for a block (decode_kernel.h).
+  TORCH_CHECK_VALUE(s.seqlen_k < (int64_t(1) << 30) && s.seqlen_q < (int64_t(1) << 30) && s.batch < 65536,
+                    "problem too large: cache capacity and seqlen_q must stay below 2^30 and batch below 65536");
+  // The grid's y: one CTA per 16 query rows of each KV head's group.
+  TORCH_CHECK_VALUE((s.seqlen_q * (s.nheads / s.nheads_kv) + 15) / 16 * s.nheads_kv < 65536, "problem too large: "
+                    "seqlen_q * nheads / 16 must stay below 65536 for the decode kernel, got seqlen_q = ", s.seqlen_q,
+                    ", nheads = ", s.nheads);
+  TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be a finite positive number, got ",
+                    softmax_scale);
+  TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= 128, "num_splits must be in [0, 128] (0 = chosen per call), got ",
+                    num_splits);
+  if (s.batch > 0 && s.seqlen_q > 0) { check_layout(q, "q"); }
+  if (k_cache.numel() > 0) {
+    check_layout(k_cache, "k_cache");
+    check_layout(v_cache, "v_cache");
+  }
+  return d;
 }
 
 }  // namespace flash_api

@@ -77,7 +77,23 @@ void check_on_gpu(std::vector<std::pair<at::Tensor const*, char const*>> const& 
 // The stride the TMA descriptor gets for a dim: a dim of size 1 is never stepped, so any stride will do.
 int64_t tma_stride(at::Tensor const& t, int dim);
 
-enum class Direction { kFwd, kBwd };
+// flash_attn_with_kvcache (the decode op): q (batch, seqlen_q, nheads, headdim); caches contiguous,
+// (entries, seqlen_cache, nheads_kv, headdim), or with page_table (batch, pages_per_seq) int32 paged,
+// (num_pages, page_size, nheads_kv, headdim), page_size a multiple of 16; k_new, v_new (batch, seqlen_new,
+// nheads_kv, headdim) or both None; cache_seqlens int32 (batch,); cache_batch_idx int32 (batch,) or None
+// (contiguous caches only). fp16 / bf16. As for varlen calls, the values of the index tensors are not read
+// here (the kernel clamps them: hopper/decode_kernel.h).
+struct DecodeShape {
+  AttentionShape shape;  // seqlen_k: the keys a sequence can hold (seqlen_cache, or pages_per_seq * page_size)
+  int64_t seqlen_new, page_size, pages_per_seq, cache_entries;
+};
+DecodeShape check_decode(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor const& v_cache,
+                         std::optional<at::Tensor> const& k_new, std::optional<at::Tensor> const& v_new,
+                         at::Tensor const& cache_seqlens, std::optional<at::Tensor> const& cache_batch_idx,
+                         std::optional<at::Tensor> const& page_table, double softmax_scale, int64_t num_splits,
+                         char const* op);
+
+enum class Direction { kFwd, kBwd, kDecode };
 
 // The smallest kernel head dim >= headdim of a direction (flash_ext/kernel_table.py's HEADDIMS_BY_DIRECTION).
 int kernel_headdim(int64_t headdim, Direction direction);

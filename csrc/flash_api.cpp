@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "arg_checks.h"
+#include "decode_params.h"
 #include "flash.h"
 #include "kernel_registry.h"
 
@@ -176,6 +177,71 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
     params.workspace = workspace.data_ptr();
   }
 
+  kernel.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  return {out, lse};
+}
+
+// flash_attn_with_kvcache: attention of q over a KV cache after appending k_new / v_new to it in place
+// (hopper/decode_kernel.h; flash_ext/kvcache.py picks this op or the varlen kernels).
+std::tuple<at::Tensor, at::Tensor> mha_decode(at::Tensor const& q, at::Tensor k_cache, at::Tensor v_cache,
+                                              std::optional<at::Tensor> const& k_new, std::optional<at::Tensor> const& v_new,
+                                              at::Tensor const& cache_seqlens, std::optional<at::Tensor> const& cache_batch_idx,
+                                              std::optional<at::Tensor> const& page_table, double softmax_scale, bool causal,
+                                              int64_t window_left, int64_t window_right, double softcap, int64_t num_splits) {
+  char const* op = "flash_ext.flash_attn_with_kvcache";
+  auto const d = flash_api::check_decode(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, page_table,
+                                         softmax_scale, num_splits, op);
+  auto const& s = d.shape;
+  auto const options = flash_api::check_score_options(causal, window_left, window_right, softcap, s);
+  NamedTensors on_gpu{{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&cache_seqlens, "cache_seqlens"}};
+  add_present(on_gpu, k_new, "k");
+  add_present(on_gpu, v_new, "v");
+  add_present(on_gpu, cache_batch_idx, "cache_batch_idx");
+  add_present(on_gpu, page_table, "page_table");
+  flash_api::check_on_gpu(on_gpu, op);
+  auto const& kernel = find_kernel<flash::DecodeParams>("decode", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kDecode),
+                                                        q.scalar_type(), false, false);
+
+  c10::cuda::CUDAGuard device_guard(q.device());
+  at::Tensor out = at::empty({s.batch, s.seqlen_q, s.nheads, s.headdim}, q.options());
+  at::Tensor lse = at::empty({s.batch, s.nheads, s.seqlen_q}, q.options().dtype(at::kFloat));
+  if (s.batch == 0 || (s.seqlen_q == 0 && d.seqlen_new == 0)) { return {out, lse}; }
+
+  flash::DecodeParams params{};
+  params.q = strided(q);
+  params.o = strided(out);
+  params.lse = lse.data_ptr<float>();
+  params.k_cache = strided(k_cache);
+  params.v_cache = strided(v_cache);
+  if (k_new.has_value() && d.seqlen_new > 0) {
+    params.k_new = strided(*k_new);
+    params.v_new = strided(*v_new);
+  }
+  params.cache_seqlens = cache_seqlens.data_ptr<int>();
+  params.cache_batch_idx = cache_batch_idx.has_value() ? cache_batch_idx->data_ptr<int>() : nullptr;
+  params.page_table = page_table.has_value() ? page_table->data_ptr<int>() : nullptr;
+  params.page_table_batch_stride = page_table.has_value() ? page_table->stride(0) : 0;
+  params.page_size = int(d.page_size);
+  params.pages_per_seq = int(d.pages_per_seq);
+  params.cache_entries = int(d.cache_entries);
+  params.seqlen_cache = int(s.seqlen_k);
+  params.seqlen_new = int(d.seqlen_new);
+  params.batch = int(s.batch);
+  params.seqlen_q = int(s.seqlen_q);
+  params.nheads = int(s.nheads);
+  params.nheads_kv = int(s.nheads_kv);
+  params.headdim = int(s.headdim);
+  params.softmax_scale = float(softmax_scale);
+  params.options.window_left = options.window_left;
+  params.options.window_right = options.window_right;
+  params.options.softcap = options.softcap;
+  params.num_splits = int(num_splits);
+  size_t const workspace_bytes = kernel.workspace_bytes(params);
+  at::Tensor workspace;
+  if (workspace_bytes > 0) {
+    workspace = at::empty({int64_t(workspace_bytes)}, q.options().dtype(at::kByte));
+    params.workspace = workspace.data_ptr();
+  }
   kernel.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {out, lse};
 }
@@ -347,6 +413,7 @@ std::string build_info() {
   bool first = true;
   append_kernels<flash::FwdParams>(json, "fwd", first);
   append_kernels<flash::BwdParams>(json, "bwd", first);
+  append_kernels<flash::DecodeParams>(json, "decode", first);
   json << "], \"fp8_max_offset\": " << flash::kFp8MaxOffset << ", \"cutlass\": \"" << CUTLASS_MAJOR << "." << CUTLASS_MINOR << "." << CUTLASS_PATCH << "\", \"cuda\": \""
        << CUDART_VERSION / 1000 << "." << (CUDART_VERSION % 1000) / 10 << "\"}";
   return json.str();
@@ -391,6 +458,10 @@ FLASH_EXT_LIBRARY(FLASH_EXT_OPS_NAMESPACE, m) {
       "Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
       "bool causal, bool deterministic, int window_left=-1, int window_right=-1, float softcap=0.0) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "decode(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_new, Tensor? v_new, Tensor cache_seqlens, "
+      "Tensor? cache_batch_idx, Tensor? page_table, float softmax_scale, bool causal, int window_left=-1, "
+      "int window_right=-1, float softcap=0.0, int num_splits=0) -> (Tensor out, Tensor lse)");
   m.def("build_info() -> str", &build_info);
 }
 
@@ -401,6 +472,7 @@ FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CUDA, m) {
   m.impl("bwd_out", &mha_bwd_out);
   m.impl("fwd_varlen", &mha_fwd_varlen);
   m.impl("bwd_varlen", &mha_bwd_varlen);
+  m.impl("decode", &mha_decode);
 }
 FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CPU, m) {
   m.impl("fwd", &mha_fwd);
@@ -408,6 +480,7 @@ FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CPU, m) {
   m.impl("bwd_out", &mha_bwd_out);
   m.impl("fwd_varlen", &mha_fwd_varlen);
   m.impl("bwd_varlen", &mha_bwd_varlen);
+  m.impl("decode", &mha_decode);
 }
 
 // `import flash_ext._C` loads this library, whose static initialisers above register the ops. The module

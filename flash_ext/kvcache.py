@@ -1,26 +1,33 @@
-"""Decoding from a KV cache with FlashAttention's entry point (issue 12, first step):
+"""Decoding from a KV cache with FlashAttention's entry point (issue 12):
 
     out = flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lens,
-                                            causal=True)
+                                            causal=True)                      # contiguous cache
+    out = flash_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k=k_new, v=v_new, cache_seqlens=lens,
+                                            page_table=pages, causal=True)    # paged cache
 
-This first version runs the existing variable-length kernels: the cache's entries are the sequences of a
-varlen call (cu_seqlens every seqlen_cache rows, seqused_k = cache_seqlens + the new keys), so every mask,
-softcap, GQA and head dim of flash_attn_varlen_func works, and the results are those kernels' to the bit.
-It has none of the decoding speed-ups yet (GQA packing, split-KV): a decode step of one query fills one
-row of each 128-row tile. Paged caches (page_table) and cache_batch_idx raise NotImplementedError.
+Two kernels serve it:
+- the decode kernel (hopper/decode_kernel.h, torch.ops.flash_ext.decode) for few query rows per KV head
+  (seqlen_q * nheads / nheads_kv <= 64: decoding, speculative steps), any cache layout: contiguous, with
+  cache_batch_idx, or paged. It packs a KV head's query heads into one tile and splits the keys over CTAs
+  (num_splits; 0 = chosen from the shapes), and appends the new keys in the same launch;
+- the varlen attention kernels for longer queries over a contiguous cache (prefill into a cache): the
+  cache's entries become a varlen call's sequences, and the new keys are written first by index_copy_.
+Both take no host synchronisation, so they run under CUDA graph capture and torch.compile.
 """
 import torch
 
 from .fa3_compat import _check_index_tensor, _reads_values_now, _require_varlen_ops
-from .interface import _check_bool, _check_tensors, _softcap, _softmax_scale, _window_size
+from .interface import _check_bool, _check_tensors, _require_extension, _softcap, _softmax_scale, _window_size
 
 __all__ = ["flash_attn_with_kvcache"]
 
-# FA3 keywords that change what is computed, or the layouts, and that this version does not implement, with
-# their neutral values. (num_splits, pack_gqa and sm_margin are speed hints: taken and ignored.)
+# The most query rows per KV head (seqlen_q * nheads / nheads_kv) sent to the decode kernel with a contiguous
+# cache: it reads K and V once per 16 rows, so longer queries go to the attention kernels' 128-row tiles.
+DECODE_MAX_ROWS = 64
+
+# FA3 keywords that change what is computed, or the layouts, and that flash_ext does not implement, with their
+# neutral values. (pack_gqa and sm_margin are speed hints: taken and ignored.)
 _NOT_YET = {
-    "page_table": None,
-    "cache_batch_idx": None,
     "cache_leftpad": None,
     "rotary_cos": None,
     "rotary_sin": None,
@@ -34,50 +41,91 @@ _NOT_YET = {
 }
 
 
-def _cache_seqlens(cache_seqlens, batch, seqlen_cache, device):
-    """(batch,) int32 on the cache's device: an int for every entry, a tensor, or None (every entry full)."""
+def _cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, device):
+    """(batch,) int32 on the cache's device: an int for every sequence, a tensor, or None (every entry full)."""
     if cache_seqlens is None:
-        return torch.full((batch,), seqlen_cache, dtype=torch.int32, device=device), None
+        return torch.full((batch,), capacity - seqlen_new, dtype=torch.int32, device=device)
     if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
         raise TypeError(f"cache_seqlens must be an int, an int32 tensor (batch,) or None, got "
                         f"{type(cache_seqlens).__name__}")
     if isinstance(cache_seqlens, int):
-        if not 0 <= cache_seqlens <= seqlen_cache:
-            raise ValueError(f"cache_seqlens = {cache_seqlens} must be in [0, seqlen_cache = {seqlen_cache}]")
-        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device), cache_seqlens
+        if not 0 <= cache_seqlens <= capacity - seqlen_new:
+            extra = f" plus {seqlen_new} new keys" if seqlen_new else ""
+            raise ValueError(f"cache_seqlens = {cache_seqlens}{extra} must fit the cache: cache_seqlens must be in "
+                             f"[0, {capacity - seqlen_new}] (the cache holds {capacity} keys per sequence)")
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     _check_index_tensor("cache_seqlens", cache_seqlens, batch, "(batch,)")
     if cache_seqlens.device != device:
         raise ValueError(f"cache_seqlens must be on the cache's device ({device}), got {cache_seqlens.device}")
-    return cache_seqlens, None
+    return cache_seqlens
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None, causal=False,
-                            window_size=(-1, -1), softcap=0.0, num_splits=0, pack_gqa=None, sm_margin=0,
-                            return_softmax_lse=False, **not_yet):
+def _check_values(lens, seqlen_new, capacity, page_table, page_size, num_pages, cache_batch_idx, entries):
+    """The values the kernels would clamp, read in one device-to-host copy (eager mode only)."""
+    parts = [lens.reshape(-1)]
+    if page_table is not None:
+        parts.append(page_table.reshape(-1))
+    if cache_batch_idx is not None:
+        parts.append(cache_batch_idx.reshape(-1))
+    values = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+    batch = lens.shape[0]
+    lens_v = values[:batch]
+    for b, n in enumerate(lens_v):
+        if not 0 <= n <= capacity - seqlen_new:
+            raise ValueError(f"flash_attn_with_kvcache: cache_seqlens[{b}] = {n} must be in [0, capacity - seqlen_new = "
+                             f"{capacity - seqlen_new}] (the cache holds {capacity} keys per sequence, {seqlen_new} "
+                             f"new ones are appended)")
+    at = batch
+    if page_table is not None:
+        pages_per_seq = page_table.shape[1]
+        for b, n in enumerate(lens_v):
+            used = -(-(n + seqlen_new) // page_size)  # the slots this sequence's keys occupy
+            for slot in range(used):
+                page = values[at + b * pages_per_seq + slot]
+                if not 0 <= page < num_pages:
+                    raise ValueError(f"flash_attn_with_kvcache: page_table[{b}, {slot}] = {page} is not a page of the "
+                                     f"cache (0..{num_pages - 1}); sequence {b} uses slots 0..{used - 1}")
+        at += batch * pages_per_seq
+    if cache_batch_idx is not None:
+        for b in range(batch):
+            if not 0 <= values[at + b] < entries:
+                raise ValueError(f"flash_attn_with_kvcache: cache_batch_idx[{b}] = {values[at + b]} is not an entry of "
+                                 f"the cache (0..{entries - 1})")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+                            page_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            num_splits=0, pack_gqa=None, sm_margin=0, return_softmax_lse=False, check_values=None,
+                            **not_yet):
     """Attention of q over a KV cache, after appending k and v to it in place (FA3's flash_attn_with_kvcache).
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim), fp16 or bf16 on an sm_90 GPU.
-        k_cache, v_cache: (batch, seqlen_cache, nheads_kv, headdim), q's dtype and device, nheads a multiple of
-            nheads_kv; each entry's rows contiguous with the next entry's (stride(0) = seqlen_cache *
-            stride(1), e.g. a contiguous tensor). Paged caches are not supported yet.
-        k, v: optional new keys and values (batch, seqlen_new, nheads_kv, headdim), written into the caches
-            at rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of entry b before the attention.
-        cache_seqlens: the keys entry b holds before the append: an int for all, an int32 tensor (batch,), or
-            None (every entry holds seqlen_cache keys; then k, v cannot be appended).
+        q: (batch, seqlen_q, nheads, headdim), fp16 or bf16 on an sm_90 GPU; headdim a multiple of 8 up to 256.
+        k_cache, v_cache: q's dtype and device, nheads a multiple of nheads_kv, their last dim contiguous, either
+            contiguous caches (entries, seqlen_cache, nheads_kv, headdim), or with page_table paged caches
+            (num_pages, page_size, nheads_kv, headdim), page_size a multiple of 16.
+        k, v: optional new keys and values (batch, seqlen_new, nheads_kv, headdim), written into the caches at
+            positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of sequence b before the attention.
+        cache_seqlens: the keys sequence b holds before the append: an int for all, an int32 tensor (batch,),
+            or None (every sequence holds the whole capacity; then nothing can be appended).
+        cache_batch_idx: int32 (batch,): the entry of a contiguous cache that sequence b uses (default b).
+        page_table: int32 (batch, pages_per_seq): the pages of sequence b, in order; its capacity is
+            pages_per_seq * page_size keys.
         softmax_scale, causal, window_size, softcap: as in flash_attn_func; the masks align to the
-            bottom-right corner of entry b's (seqlen_q, cache_seqlens[b] + seqlen_new) block, so a new token
+            bottom-right corner of sequence b's (seqlen_q, cache_seqlens[b] + seqlen_new) block, so a new token
             sees the whole cache and the new tokens up to itself.
-        num_splits, pack_gqa, sm_margin: FA3's speed hints, accepted and ignored.
+        num_splits: how many CTAs share one sequence's keys (decode kernel): 0 = chosen from the shapes (enough
+            CTAs to fill the GPU), 1..128 = that many; the results agree within rounding.
+        pack_gqa, sm_margin: FA3's speed hints, accepted and ignored (the decode kernel always packs).
         return_softmax_lse: also return lse (batch, nheads, seqlen_q), float32.
+        check_values: read the values of cache_seqlens, page_table and cache_batch_idx to the host and raise
+            ValueError naming any out of range (None: in eager mode, not under torch.compile or CUDA graph
+            capture; False: never, for eager decoding loops, where that device-to-host copy would wait for
+            the GPU on every step; True: always, where it can). Unchecked values are clamped on the device:
+            memory-safe, but the results of out-of-range values are not defined.
 
-    Returns out (batch, seqlen_q, nheads, headdim) in q's dtype, or (out, lse). An entry without keys gets
+    Returns out (batch, seqlen_q, nheads, headdim) in q's dtype, or (out, lse). A sequence without keys gets
     out = 0 and lse = -inf. Forward only (no autograd).
-
-    Checks: the types, ranks, dtypes and shapes always; the VALUES of a cache_seqlens tensor (each length plus
-    seqlen_new within seqlen_cache) in eager mode only, by one device-to-host copy, skipped under
-    torch.compile and during CUDA graph capture, where out-of-range lengths are clamped (memory-safe, wrong
-    results).
     """
     for name, value in not_yet.items():
         if name not in _NOT_YET:
@@ -89,14 +137,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if t.dim() != 4:
             raise ValueError(f"flash_attn_with_kvcache: {name} must have 4 dims, got shape {tuple(t.shape)}")
     batch, seqlen_q, nheads, headdim = q.shape
-    if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != headdim:
-        raise ValueError(f"flash_attn_with_kvcache: k_cache and v_cache must be (batch={batch}, seqlen_cache, "
-                         f"nheads_kv, headdim={headdim}), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    seqlen_cache, nheads_kv = k_cache.shape[1], k_cache.shape[2]
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if batch > 1 and t.stride(0) != seqlen_cache * t.stride(1):
-            raise ValueError(f"flash_attn_with_kvcache: {name}'s entries must follow each other (stride(0) = "
-                             f"seqlen_cache * stride(1) = {seqlen_cache * t.stride(1)}), got strides {t.stride()}")
+    paged = page_table is not None
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != headdim:
+        layout = "num_pages, page_size" if paged else "entries, seqlen_cache"
+        raise ValueError(f"flash_attn_with_kvcache: k_cache and v_cache must be ({layout}, nheads_kv, headdim={headdim}), "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    nheads_kv = k_cache.shape[2]
+    if paged:
+        _check_tensors(page_table=page_table)
+        if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != batch:
+            raise ValueError(f"flash_attn_with_kvcache: page_table must be int32 (batch={batch}, pages_per_seq), got "
+                             f"{page_table.dtype} {tuple(page_table.shape)}")
+        if cache_batch_idx is not None:
+            raise ValueError("flash_attn_with_kvcache: cache_batch_idx selects entries of a contiguous cache; with "
+                             "page_table (a paged cache) it must be None")
+        page_size = k_cache.shape[1]
+        if page_size % 16 != 0 or page_size == 0:
+            raise ValueError(f"flash_attn_with_kvcache: a paged cache's page size (k_cache.shape[1]) must be a positive "
+                             f"multiple of 16, got {page_size}")
+        capacity = page_table.shape[1] * page_size
+    else:
+        page_size = 0
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is not None:
+            _check_index_tensor("cache_batch_idx", cache_batch_idx, batch, "(batch,)")
+        elif k_cache.shape[0] < batch:
+            raise ValueError(f"flash_attn_with_kvcache: k_cache and v_cache must have an entry per sequence ({batch}), "
+                             f"got {k_cache.shape[0]} (or pass cache_batch_idx)")
     if (k is None) != (v is None):
         raise ValueError("flash_attn_with_kvcache: k and v (the new keys and values) must be given together")
     seqlen_new = 0
@@ -111,27 +178,49 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         seqlen_new = k.shape[1]
         if cache_seqlens is None and seqlen_new > 0:
             raise ValueError("flash_attn_with_kvcache: appending k and v needs cache_seqlens (where they go)")
+    if paged and cache_seqlens is None:
+        raise ValueError("flash_attn_with_kvcache: a paged cache needs cache_seqlens")
     scale = _softmax_scale(softmax_scale, headdim)
     _check_bool("causal", causal)
     _check_bool("return_softmax_lse", return_softmax_lse)
+    if check_values is not None:
+        _check_bool("check_values", check_values)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
+        raise ValueError(f"flash_attn_with_kvcache: num_splits must be an int in [0, 128] (0 = chosen per call), got "
+                         f"{num_splits!r}")
     window, softcap = _window_size(window_size), _softcap(softcap)
-    lens, lens_int = _cache_seqlens(cache_seqlens, batch, seqlen_cache, k_cache.device)
-    if lens_int is not None and lens_int + seqlen_new > seqlen_cache:
-        raise ValueError(f"flash_attn_with_kvcache: cache_seqlens = {lens_int} plus {seqlen_new} new keys exceed "
-                         f"seqlen_cache = {seqlen_cache}")
-    if lens_int is None and cache_seqlens is not None and _reads_values_now([lens]):
-        for b, n in enumerate(lens.tolist()):
-            if not 0 <= n <= seqlen_cache - seqlen_new:
-                raise ValueError(f"flash_attn_with_kvcache: cache_seqlens[{b}] = {n} must be in [0, seqlen_cache - "
-                                 f"seqlen_new = {seqlen_cache - seqlen_new}]")
+    lens = _cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, k_cache.device)
+    device_values = isinstance(cache_seqlens, torch.Tensor) or paged or cache_batch_idx is not None
+    if device_values and (check_values or (check_values is None and _reads_values_now([lens]))):
+        _check_values(lens, seqlen_new, capacity, page_table, page_size, k_cache.shape[0], cache_batch_idx,
+                      k_cache.shape[0])
+
+    rows_per_kv_head = seqlen_q * (nheads // max(nheads_kv, 1))
+    entries_follow = batch <= 1 or (k_cache.stride(0) == capacity * k_cache.stride(1)
+                                    and v_cache.stride(0) == capacity * v_cache.stride(1))
+    if paged or cache_batch_idx is not None or rows_per_kv_head <= DECODE_MAX_ROWS or not entries_follow:
+        _require_extension()
+        out, lse = torch.ops.flash_ext.decode(q, k_cache, v_cache, k, v, lens, cache_batch_idx, page_table, scale, causal,
+                                              window[0], window[1], softcap, num_splits)
+        return (out, lse) if return_softmax_lse else out
+    return _varlen_path(q, k_cache, v_cache, k, v, lens, seqlen_new, scale, causal, window, softcap,
+                        return_softmax_lse)
+
+
+def _varlen_path(q, k_cache, v_cache, k, v, lens, seqlen_new, scale, causal, window, softcap, return_softmax_lse):
+    """A contiguous cache whose entries follow each other, many query rows: the cache's entries are the
+    sequences of a varlen call (cu_seqlens every seqlen_cache rows, seqused_k = cache_seqlens + seqlen_new)."""
     _require_varlen_ops()
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_cache, nheads_kv = k_cache.shape[1], k_cache.shape[2]
     device = k_cache.device
     if seqlen_new > 0:
         # Row cache_seqlens[b] + j of entry b, clamped into the entry (values the checks did not read).
         rows = (lens.long()[:, None] + torch.arange(seqlen_new, device=device)).clamp_(0, seqlen_cache - 1)
         flat = (torch.arange(batch, device=device)[:, None] * seqlen_cache + rows).reshape(-1)
         for cache, new in ((k_cache, k), (v_cache, v)):
-            cache.view(batch * seqlen_cache, nheads_kv, headdim).index_copy_(0, flat, new.reshape(-1, nheads_kv, headdim))
+            cache[:batch].view(batch * seqlen_cache, nheads_kv, headdim).index_copy_(0, flat,
+                                                                                    new.reshape(-1, nheads_kv, headdim))
     used_k = (lens + seqlen_new).clamp_(0, seqlen_cache).to(torch.int32)
     cu_q = torch.arange(0, (batch + 1) * seqlen_q, max(seqlen_q, 1), dtype=torch.int32, device=device)[:batch + 1]
     cu_k = torch.arange(0, (batch + 1) * seqlen_cache, max(seqlen_cache, 1), dtype=torch.int32, device=device)[:batch + 1]
@@ -140,9 +229,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if seqlen_cache == 0:
         cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)
     out, lse = torch.ops.flash_ext.fwd_varlen(
-        q.reshape(batch * seqlen_q, nheads, headdim), k_cache.view(batch * seqlen_cache, nheads_kv, headdim),
-        v_cache.view(batch * seqlen_cache, nheads_kv, headdim), cu_q, cu_k, None, used_k, seqlen_q, seqlen_cache, scale,
-        causal, window[0], window[1], softcap)
+        q.reshape(batch * seqlen_q, nheads, headdim), k_cache[:batch].view(batch * seqlen_cache, nheads_kv, headdim),
+        v_cache[:batch].view(batch * seqlen_cache, nheads_kv, headdim), cu_q, cu_k, None, used_k, seqlen_q,
+        seqlen_cache, scale, causal, window[0], window[1], softcap)
     out = out.view(batch, seqlen_q, nheads, headdim)
     if not return_softmax_lse:
         return out

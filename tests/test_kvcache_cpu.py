@@ -1,6 +1,7 @@
 """flash_attn_with_kvcache's argument checks on the CPU (no GPU or compiled extension needed): each bad input
-raises before anything reaches the op, naming the argument; FA3 keywords not implemented yet raise
-NotImplementedError naming them; FA3's speed hints are accepted."""
+raises before anything reaches an op, naming the argument; FA3 keywords not implemented yet raise
+NotImplementedError naming them; FA3's speed hints are accepted; the values of cache_seqlens, page_table and
+cache_batch_idx are checked when they can be read."""
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ def no_op_calls(monkeypatch):
         raise ReachedOp
 
     monkeypatch.setattr(kvcache, "_require_varlen_ops", reached)
+    monkeypatch.setattr(kvcache, "_require_extension", reached)
 
 
 def _inputs(batch=2, seqlen_q=1, seqlen_cache=16, nheads=4, nheads_kv=2, headdim=64, dtype=torch.bfloat16):
@@ -36,8 +38,7 @@ def test_good_calls_reach_the_op():
             flash_ext.flash_attn_with_kvcache(q, kc, vc, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["page_table", "cache_batch_idx", "cache_leftpad", "rotary_cos", "cu_seqlens_q",
-                                  "q_descale"])
+@pytest.mark.parametrize("name", ["cache_leftpad", "rotary_cos", "cu_seqlens_q", "q_descale"])
 def test_not_yet_implemented_keywords(name):
     q, kc, vc = _inputs()
     with pytest.raises(NotImplementedError, match=f"{name} is not supported by flash_ext yet"):
@@ -53,10 +54,16 @@ def test_bad_input_names_the_argument():
         (TypeError, "unexpected keyword argument 'cache_seqlen'", dict(cache_seqlen=3)),
         (ValueError, "k and v .* must be given together", dict(k=k_new, cache_seqlens=3)),
         (ValueError, "appending k and v needs cache_seqlens", dict(k=k_new, v=k_new)),
-        (ValueError, r"cache_seqlens = 14 plus 3 new keys exceed seqlen_cache = 16", dict(k=k_new, v=k_new, cache_seqlens=14)),
-        (ValueError, r"cache_seqlens\[1\] = 14 must be in \[0, seqlen_cache - seqlen_new = 13\]",
+        (ValueError, r"cache_seqlens = 14 plus 3 new keys must fit the cache: cache_seqlens must be in \[0, 13\]",
+         dict(k=k_new, v=k_new, cache_seqlens=14)),
+        (ValueError, r"cache_seqlens\[1\] = 14 must be in \[0, capacity - seqlen_new = 13\]",
          dict(k=k_new, v=k_new, cache_seqlens=torch.tensor([1, 14], dtype=torch.int32))),
-        (ValueError, r"cache_seqlens = 17 must be in \[0, seqlen_cache = 16\]", dict(cache_seqlens=17)),
+        (ValueError, r"cache_seqlens = 17 must fit the cache: cache_seqlens must be in \[0, 16\]", dict(cache_seqlens=17)),
+        (ValueError, r"num_splits must be an int in \[0, 128\]", dict(num_splits=129)),
+        (TypeError, "check_values must be a bool", dict(check_values=1)),
+        (ValueError, r"cache_batch_idx\[1\] = 2 is not an entry of the cache \(0..1\)",
+         dict(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32))),
+        (TypeError, "cache_batch_idx must be torch.int32", dict(cache_batch_idx=torch.tensor([0, 1]))),
         (TypeError, "cache_seqlens must be torch.int32", dict(cache_seqlens=torch.tensor([1, 2]))),
         (ValueError, r"cache_seqlens must have shape \(batch,\) = \(2,\)", dict(cache_seqlens=torch.tensor([1], dtype=torch.int32))),
         (TypeError, "cache_seqlens must be an int", dict(cache_seqlens=2.0)),
@@ -68,10 +75,52 @@ def test_bad_input_names_the_argument():
     for error, message, kwargs in cases:
         with pytest.raises(error, match=message):
             flash_ext.flash_attn_with_kvcache(q, kc, vc, **kwargs)
-    with pytest.raises(ValueError, match="k_cache and v_cache must be"):
+    with pytest.raises(ValueError, match="k_cache and v_cache must have an entry per sequence"):
         flash_ext.flash_attn_with_kvcache(q, kc[:1], vc[:1])
-    with pytest.raises(ValueError, match="k_cache's entries must follow each other"):
+    with pytest.raises(ValueError, match="k_cache and v_cache must be"):
+        flash_ext.flash_attn_with_kvcache(q, kc, vc[:, :8])
+    with pytest.raises(ReachedOp):  # a strided cache goes to the decode kernel
         wide = torch.randn(2, 20, 2, 64, dtype=torch.bfloat16)[:, :16]
         flash_ext.flash_attn_with_kvcache(q, wide, vc)
     with pytest.raises(ValueError, match="q must have 4 dims"):
         flash_ext.flash_attn_with_kvcache(q[0], kc, vc)
+
+
+def _paged(batch=2, pages=6, page_size=16, pages_per_seq=3):
+    q = torch.randn(batch, 1, 4, 64, dtype=torch.bfloat16)
+    k_pages = torch.randn(pages, page_size, 2, 64, dtype=torch.bfloat16)
+    table = torch.arange(batch * pages_per_seq, dtype=torch.int32).reshape(batch, pages_per_seq) % pages
+    return q, k_pages, torch.randn_like(k_pages), table
+
+
+def test_paged_cache_checks():
+    q, kp, vp, table = _paged()
+    lens = torch.tensor([10, 48], dtype=torch.int32)
+    with pytest.raises(ReachedOp):
+        flash_ext.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, page_table=table)
+    k_new = torch.randn(2, 2, 2, 64, dtype=torch.bfloat16)
+    bad_slot = table.clone()
+    bad_slot[0, 1] = 6
+    cases = [
+        (ValueError, "a paged cache needs cache_seqlens", dict(page_table=table)),
+        (ValueError, r"page_table must be int32 \(batch=2, pages_per_seq\)", dict(cache_seqlens=lens, page_table=table[:1])),
+        (ValueError, r"page_table must be int32", dict(cache_seqlens=lens, page_table=table.long())),
+        (ValueError, "with page_table .* it must be None",
+         dict(cache_seqlens=lens, page_table=table, cache_batch_idx=torch.zeros(2, dtype=torch.int32))),
+        (ValueError, r"page_table\[0, 1\] = 6 is not a page of the cache \(0..5\); sequence 0 uses slots 0..1",
+         dict(cache_seqlens=torch.tensor([17, 0], dtype=torch.int32), page_table=bad_slot)),
+        (ValueError, r"cache_seqlens\[1\] = 47 must be in \[0, capacity - seqlen_new = 46\]",
+         dict(k=k_new, v=k_new, cache_seqlens=torch.tensor([0, 47], dtype=torch.int32), page_table=table)),
+    ]
+    for error, message, kwargs in cases:
+        with pytest.raises(error, match=message):
+            flash_ext.flash_attn_with_kvcache(q, kp, vp, **kwargs)
+    # Slots past a sequence's keys are not read, so their values do not matter; check_values=False skips reading.
+    with pytest.raises(ReachedOp):
+        flash_ext.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=torch.tensor([16, 0], dtype=torch.int32),
+                                          page_table=bad_slot)
+    with pytest.raises(ReachedOp):
+        flash_ext.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=torch.tensor([17, 0], dtype=torch.int32),
+                                          page_table=bad_slot, check_values=False)
+    with pytest.raises(ValueError, match="page size .* must be a positive multiple of 16"):
+        flash_ext.flash_attn_with_kvcache(q, kp[:, :8], vp[:, :8], cache_seqlens=lens, page_table=table)

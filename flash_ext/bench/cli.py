@@ -139,6 +139,14 @@ def build_parser():
                    "otherwise). TFLOP/s count the exact number of visible (query, key) pairs")
     a.add_argument("--softcap", type=parse_softcap, default=0.0, metavar="C",
                    help="logits c * tanh(scale * q.k / c) (Gemma 2); 0 (default) = off")
+    dg = p.add_argument_group(
+        "decoding (--decode: one step of flash_attn_with_kvcache over a full cache, contiguous and paged, beside SDPA; "
+        "uses --nheads (default 32), --nheads-kv (8), --headdim (128), --seqlen-q (1), --dtype)")
+    dg.add_argument("--decode", action="store_true", help="run the decoding benchmark instead of the attention grid")
+    dg.add_argument("--decode-batches", type=parse_int_list, default=None, help="batches (default 1,8,64)")
+    dg.add_argument("--decode-seqlens", type=parse_int_list, default=None,
+                    help="cache lengths (default 512,4k,32k,128k; batch * length above 2M tokens is skipped)")
+    dg.add_argument("--page-sizes", type=parse_int_list, default=None, help="paged caches' page sizes (default 64,256)")
     t = p.add_argument_group("timing and checks")
     t.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up time in ms (default 25)")
     t.add_argument("--repeat-ms", type=float, default=100.0, help="do_bench measuring time in ms (default 100)")
@@ -334,9 +342,46 @@ def write_outputs(out_dir, name, env, config, records, args, backend_keys, comma
     return text, paths
 
 
+def run_decode_cli(args, parser):
+    from . import decode
+
+    if args.dtype not in ("bf16", "fp16"):
+        parser.error("--decode runs bf16 or fp16")
+    batches = args.decode_batches or decode.DEFAULT_BATCHES
+    seqlens = args.decode_seqlens or decode.DEFAULT_CACHE_LENS
+    page_sizes = args.page_sizes or decode.DEFAULT_PAGE_SIZES
+    nheads, nheads_kv, headdim, seqlen_q = args.nheads or 32, args.nheads_kv or 8, args.headdim or 128, args.seqlen_q or 1
+    if nheads % nheads_kv:
+        parser.error(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
+    if args.dry_run:
+        print(f"decode: batches {batches}, cache lengths {seqlens}, page sizes {page_sizes}, q {seqlen_q} token(s), "
+              f"h{nheads}/kv{nheads_kv} d{headdim} {args.dtype}")
+        return 0
+    if not torch.cuda.is_available():
+        print("error: no CUDA GPU visible; the benchmark needs one (use --dry-run to see the grid)", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
+    rows, copy_gbs = decode.run_decode(batches, seqlens, seqlen_q, nheads, nheads_kv, headdim, dtype, page_sizes,
+                                       args.warmup_ms, args.repeat_ms,
+                                       log=lambda line: print(line, file=sys.stderr, flush=True))
+    env = collect_env(torch.device("cuda", torch.cuda.current_device()))
+    title = (f"== decode step | {args.dtype} | q {seqlen_q} token(s), h{nheads}/kv{nheads_kv}, d{headdim} | "
+             f"{env.get('gpu_name')} | us, median of do_bench (warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms) ==")
+    text = decode.format_table(rows, copy_gbs, title)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{args.name}.txt")
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    print(text)
+    print(f"\nwrote {path}", file=sys.stderr)
+    return 0
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.decode:
+        return run_decode_cli(args, parser)
     try:
         shapes = build_grid(args)
     except ValueError as e:

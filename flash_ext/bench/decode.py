@@ -1,0 +1,156 @@
+"""`python -m flash_ext.benchmark --decode`: one decoding step over a KV cache (issue 12), flash_ext's
+flash_attn_with_kvcache (contiguous and paged caches) beside SDPA's backends on the same cache, and the
+bandwidth a device-to-device copy reaches in the same run.
+
+Per (batch, cache length): q (batch, seqlen_q, nheads, headdim), a full cache of that length; times are
+do_bench medians (CUDA events, L2 flushed) of
+- "graph": one call captured in a CUDA graph and replayed (kernel time, as a decoder under
+  torch.compile(mode="reduce-overhead") runs it),
+- "eager": the Python call itself (host and launch overhead included when they exceed the GPU time);
+and the host time of a tight loop of eager calls without synchronisation. flash_ext's eager calls pass
+check_values=False (a decoding loop's setting: the value checks read cache_seqlens to the host).
+K+V GB/s = the cache's K and V bytes / graph time; "% copy" = that over the D2D copy's read+write bandwidth.
+"""
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_BATCHES = (1, 8, 64)
+DEFAULT_CACHE_LENS = (512, 4096, 32768, 131072)
+DEFAULT_PAGE_SIZES = (64, 256)
+MAX_CACHE_TOKENS = 2 * 1024 * 1024  # batch * cache length: skip larger (b64 x 128k would be 34 GB of K/V)
+
+
+def _do_bench(fn, warmup_ms, rep_ms):
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3  # us
+
+
+def _graphed(fn):
+    """fn captured in a CUDA graph (after a warm-up on a side stream); returns replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _host_us(fn, calls=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def _candidates(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype, page_sizes):
+    """(name, fn, sdpa_backend or None) for one shape; tensors allocated here."""
+    import flash_ext
+    from torch.nn.attention import SDPBackend
+
+    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=dtype)
+    k_cache = torch.randn(batch, cache_len, nheads_kv, headdim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    lens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    causal = seqlen_q > 1
+    out = [("flash_ext", lambda: flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=causal,
+                                                                   check_values=False), None)]
+    for page_size in page_sizes:
+        if cache_len % page_size:
+            continue
+        pages = cache_len // page_size
+        order = torch.randperm(batch * pages, device="cuda")
+        table = order.view(batch, pages).to(torch.int32)
+        k_pages = torch.empty(batch * pages, page_size, nheads_kv, headdim, device="cuda", dtype=dtype)
+        v_pages = torch.empty_like(k_pages)
+        k_pages[order] = k_cache.view(batch * pages, page_size, nheads_kv, headdim)
+        v_pages[order] = v_cache.view(batch * pages, page_size, nheads_kv, headdim)
+        out.append((f"flash_ext paged {page_size}",
+                    lambda kp=k_pages, vp=v_pages, t=table: flash_ext.flash_attn_with_kvcache(
+                        q, kp, vp, cache_seqlens=lens, page_table=t, causal=causal, check_values=False), None))
+    qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    # SDPA's causal mask is top-left aligned: a decoding step (one query) sees the whole cache, so no mask.
+    sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=nheads != nheads_kv)  # noqa: E731
+    for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION),
+                          ("SDPA efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        out.append((name, sdpa, backend))
+    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    return out, kv_bytes
+
+
+def run_decode(batches, cache_lens, seqlen_q, nheads, nheads_kv, headdim, dtype, page_sizes, warmup_ms, rep_ms,
+               log=print):
+    """Returns rows (dicts) and the copy bandwidth; log() gets progress lines."""
+    import warnings
+
+    from torch.nn.attention import sdpa_kernel
+
+    rows = []
+    copy_src = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+    copy_us = _do_bench(lambda: copy_dst.copy_(copy_src), warmup_ms, rep_ms)
+    copy_gbs = 2 * copy_src.numel() / copy_us / 1e3  # read + write
+    del copy_src, copy_dst
+    for batch in batches:
+        for cache_len in cache_lens:
+            if batch * cache_len > MAX_CACHE_TOKENS:
+                continue
+            cands, kv_bytes = _candidates(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype, page_sizes)
+            for name, fn, backend in cands:
+                ctx = contextlib.nullcontext() if backend is None else sdpa_kernel(backend)
+                row = {"batch": batch, "cache_len": cache_len, "backend": name, "kv_bytes": kv_bytes}
+                try:
+                    with ctx, warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        fn()
+                        torch.cuda.synchronize()
+                        row["eager_us"] = _do_bench(fn, warmup_ms, rep_ms)
+                        row["host_us"] = _host_us(fn)
+                        replay = _graphed(fn)
+                        row["graph_us"] = _do_bench(replay, warmup_ms, rep_ms)
+                except Exception as e:  # a backend that does not take this shape
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+                rows.append(row)
+                log(_format_row(row, copy_gbs))
+            del cands
+            torch.cuda.empty_cache()
+    return rows, copy_gbs
+
+
+def _format_row(row, copy_gbs):
+    head = f"b{row['batch']:<3} L{row['cache_len']:<7} {row['backend']:<22}"
+    if "error" in row:
+        return head + f" n/a ({row['error']})"
+    gbs = row["kv_bytes"] / row["graph_us"] / 1e3
+    return (head + f"{row['graph_us']:>9.1f} {row['eager_us']:>9.1f} {row['host_us']:>8.1f} {gbs:>8.0f} "
+            f"{100 * gbs / copy_gbs:>6.0f}%")
+
+
+def format_table(rows, copy_gbs, title):
+    lines = [title, f"D2D copy: {copy_gbs:.0f} GB/s (read + write)",
+             f"{'shape':<13}{'backend':<22}{'graph us':>9} {'eager us':>9} {'host us':>8} {'K+V GB/s':>8} {'% copy':>7}"
+             f" {'flash_ext / best SDPA (graph, eager)':>38}"]
+    by_shape = {}
+    for row in rows:
+        by_shape.setdefault((row["batch"], row["cache_len"]), []).append(row)
+    for (batch, cache_len), group in by_shape.items():
+        sdpa = [r for r in group if r["backend"].startswith("SDPA") and "error" not in r]
+        best_graph = min((r["graph_us"] for r in sdpa), default=None)
+        best_eager = min((r["eager_us"] for r in sdpa), default=None)
+        for row in group:
+            line = _format_row(row, copy_gbs)
+            if row["backend"].startswith("flash_ext") and "error" not in row and best_graph:
+                line += f"   {best_graph / row['graph_us']:>6.2f}x {best_eager / row['eager_us']:>6.2f}x"
+            lines.append(line)
+    return "\n".join(lines)

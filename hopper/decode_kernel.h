@@ -1,0 +1,347 @@
+// The decode kernel: attention of a few new query tokens over a KV cache (flash_attn_with_kvcache), where the
+// work is reading K and V once from memory at full bandwidth, not tensor-core throughput.
+//
+// - GQA packing: a CTA takes one KV head and 16 query rows, the (token, query head) pairs of that KV head's
+//   group, so a decode step of 32 query heads over 8 KV heads fills 4 of the 16 rows with one K/V read
+//   (the attention kernels' 128-row tiles would hold one).
+// - Split-KV: the keys of a (sequence, KV head) are split over gridDim.x CTAs; each writes its part's O and
+//   LSE in fp32 and split_combine.h merges them. Inside a CTA, each of the 4 warps takes every 4th block of
+//   16 keys with its own cp.async pipeline (no CTA-wide barrier until the end), and the warps' parts are
+//   merged through shared memory the same way.
+// - Any cache layout: each 16-key block is read with 16-byte cp.async copies from the cache (contiguous,
+//   cache_batch_idx, or one page of a paged cache: pages hold a multiple of 16 keys) or from the new keys.
+// - Per block: S = Q K^T and O += P V with m16n8k16 MMAs (warp_mma.h), masks and softcap as the attention
+//   kernels define them, and softmax.h's online softmax, whose fragment layout these MMAs share.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "decode_params.h"
+#include "softcap.h"
+#include "softmax.h"
+#include "split_combine.h"
+#include "warp_mma.h"
+
+namespace flash {
+
+template <class Element_, int kHeadDim_>
+struct DecodeConfig {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = 4;
+  static constexpr int kRows = 16;    // query rows of a CTA: one MMA tile
+  static constexpr int kBlockN = 16;  // keys per warp step: one page of the smallest size
+  // Stages per warp: ~32 KB of K/V in flight per warp at d <= 128, so that 2 CTAs per SM keep HBM busy.
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : kHeadDim <= 128 ? 3 : 2;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per K/V row
+  static constexpr int kRowBytes = kHeadDim * 2;
+  static constexpr int kTileBytes = kBlockN * kRowBytes;  // K or V of one step
+  static constexpr int kStageBytes = 2 * kTileBytes;
+  static constexpr int kRowsPerCopy = 32 / kChunks;  // K/V rows one warp-wide 16-byte copy covers
+  static constexpr int kCopiesPerTile = kBlockN / kRowsPerCopy;
+  // The warps' normalised O and LSE for the final merge, fp32, rows padded by 4 floats (fewer bank conflicts).
+  static constexpr int kMergeRowFloats = kHeadDim + 4;
+  static constexpr int kMergeBytes = kWarps * kRows * (kMergeRowFloats + 1) * 4;
+  static constexpr int kPipelineBytes = kWarps * kStages * kStageBytes;
+  static constexpr int kSharedBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+  static_assert(std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>);
+  static_assert(kHeadDim % 16 == 0 && kChunks <= 32 && 32 % kChunks == 0);
+};
+
+// One sequence of a decode call, its lengths clamped into the cache.
+struct DecodeSequence {
+  int cache_len;  // keys read from the cache
+  int total;      // cache_len + seqlen_new
+  int entry;      // the cache entry (contiguous caches)
+
+  __device__ static DecodeSequence make(DecodeParams const& p, int batch) {
+    int const capacity = p.seqlen_cache - p.seqlen_new;  // >= 0 (checked on the host)
+    int const cached = min(max(p.cache_seqlens[batch], 0), capacity);
+    int entry = batch;
+    if (p.cache_batch_idx != nullptr) { entry = min(max(p.cache_batch_idx[batch], 0), p.cache_entries - 1); }
+    return {cached, cached + p.seqlen_new, entry};
+  }
+};
+
+// Where the K and V rows of one 16-key block of a sequence live in the cache (the block lies in one page).
+template <class Element>
+struct CacheBlock {
+  Element const* k;
+  Element const* v;
+
+  __device__ static CacheBlock make(DecodeParams const& p, DecodeSequence const& seq, int batch, int kv_head, int first_key) {
+    int64_t row_offset;
+    if (p.page_table != nullptr) {
+      int const slot = min(first_key / p.page_size, p.pages_per_seq - 1);
+      int const page = min(max(p.page_table[batch * p.page_table_batch_stride + slot], 0), p.cache_entries - 1);
+      row_offset = page * p.k_cache.batch_stride + (first_key - slot * p.page_size) * p.k_cache.row_stride;
+      int64_t const v_offset = page * p.v_cache.batch_stride + (first_key - slot * p.page_size) * p.v_cache.row_stride;
+      return {static_cast<Element const*>(p.k_cache.ptr) + row_offset + kv_head * p.k_cache.head_stride,
+              static_cast<Element const*>(p.v_cache.ptr) + v_offset + kv_head * p.v_cache.head_stride};
+    }
+    row_offset = seq.entry * p.k_cache.batch_stride + int64_t(first_key) * p.k_cache.row_stride;
+    int64_t const v_offset = seq.entry * p.v_cache.batch_stride + int64_t(first_key) * p.v_cache.row_stride;
+    return {static_cast<Element const*>(p.k_cache.ptr) + row_offset + kv_head * p.k_cache.head_stride,
+            static_cast<Element const*>(p.v_cache.ptr) + v_offset + kv_head * p.v_cache.head_stride};
+  }
+};
+
+template <class Config>
+struct DecodeKernel {
+  using Element = typename Config::Element;
+  using Params = DecodeParams;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kNumThreads = Config::kWarps * 32;
+  static constexpr int kMinBlocksPerSm = 1;
+  static constexpr int kSharedStorageBytes = Config::kSharedBytes;
+  static constexpr int kBlockN = Config::kBlockN;
+
+  // Accumulators in the layout of a warp's share of a GMMA accumulator, ((2, 2, N/8), 1, 1) (utils.h).
+  using ScoreFrag = decltype(cute::make_tensor<float>(cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::_1>{}));
+  using OutFrag = decltype(cute::make_tensor<float>(
+      cute::Shape<cute::Shape<cute::_2, cute::_2, cute::Int<kHeadDim / 8>>, cute::_1, cute::_1>{}));
+
+  // The rows of this CTA: row r of the call's (seqlen_q x group) rows is token r / group, head r % group.
+  struct RowTile {
+    int first_row, rows, group;
+  };
+
+  // The keys the CTA's rows may see, [lo, hi), from the band (mask.h's bottom-right-aligned window).
+  __device__ static void key_range(Params const& p, RowTile const& t, DecodeSequence const& seq, int& lo, int& hi) {
+    int const last_row = min(t.first_row + Config::kRows, t.rows) - 1;
+    int const first_token_pos = seq.total - p.seqlen_q + t.first_row / t.group;
+    int const last_token_pos = seq.total - p.seqlen_q + last_row / t.group;
+    lo = p.options.window_left >= 0 ? max(first_token_pos - p.options.window_left, 0) : 0;
+    hi = p.options.window_right >= 0 ? min(last_token_pos + p.options.window_right + 1, seq.total) : seq.total;
+  }
+
+  // Writes the new keys and values into the cache (one CTA per sequence and KV head; every CTA reads them from
+  // k_new / v_new, so no CTA waits for this).
+  __device__ static void append_new(Params const& p, DecodeSequence const& seq, int batch, int kv_head) {
+    int const chunks = p.seqlen_new * Config::kChunks;
+    for (int i = threadIdx.x; i < chunks; i += kNumThreads) {
+      int const j = i / Config::kChunks, col = (i % Config::kChunks) * 8;
+      if (col >= p.headdim) continue;
+      int const pos = seq.cache_len + j;
+      CacheBlock<Element> const at = CacheBlock<Element>::make(p, seq, batch, kv_head, pos);
+      int64_t const src_k = batch * p.k_new.batch_stride + j * p.k_new.row_stride + kv_head * p.k_new.head_stride + col;
+      int64_t const src_v = batch * p.v_new.batch_stride + j * p.v_new.row_stride + kv_head * p.v_new.head_stride + col;
+      *reinterpret_cast<uint4*>(const_cast<Element*>(at.k) + col) =
+          *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.k_new.ptr) + src_k);
+      *reinterpret_cast<uint4*>(const_cast<Element*>(at.v) + col) =
+          *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.v_new.ptr) + src_v);
+    }
+  }
+
+  // Issues the cp.async copies of one 16-key block (K then V) into a stage: rows past the sequence and
+  // columns past the head dim become zeros. A row's 16-byte chunk c sits at chunk c ^ (row % 8), so that
+  // ldmatrix's eight rows hit eight different bank groups.
+  __device__ static void load_block(Params const& p, DecodeSequence const& seq, int batch, int kv_head, int block,
+                                    uint32_t stage) {
+    int const lane = threadIdx.x % 32;
+    int const first_key = block * kBlockN;
+    int const chunk = lane % Config::kChunks;
+    bool const col_valid = chunk * 8 < p.headdim;
+    CacheBlock<Element> const cached = CacheBlock<Element>::make(p, seq, batch, kv_head, min(first_key, p.seqlen_cache - 1));
+    // Row lane / kChunks of the block, in the cache and (for the keys past cache_len) in k_new / v_new; each
+    // copy steps kRowsPerCopy rows further.
+    int const row0 = lane / Config::kChunks;
+    int64_t const new_row0 = int64_t(first_key + row0 - seq.cache_len);
+    Element const* const k_cached = cached.k + row0 * p.k_cache.row_stride + chunk * 8;
+    Element const* const v_cached = cached.v + row0 * p.v_cache.row_stride + chunk * 8;
+    Element const* const k_new = static_cast<Element const*>(p.k_new.ptr) + batch * p.k_new.batch_stride +
+                                 new_row0 * p.k_new.row_stride + kv_head * p.k_new.head_stride + chunk * 8;
+    Element const* const v_new = static_cast<Element const*>(p.v_new.ptr) + batch * p.v_new.batch_stride +
+                                 new_row0 * p.v_new.row_stride + kv_head * p.v_new.head_stride + chunk * 8;
+    int64_t const k_cached_step = Config::kRowsPerCopy * p.k_cache.row_stride, v_cached_step = Config::kRowsPerCopy * p.v_cache.row_stride;
+    int64_t const k_new_step = Config::kRowsPerCopy * p.k_new.row_stride, v_new_step = Config::kRowsPerCopy * p.v_new.row_stride;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < Config::kCopiesPerTile; ++i) {
+      int const row = row0 + i * Config::kRowsPerCopy;
+      int const pos = first_key + row;
+      bool const valid = col_valid && pos < seq.total;
+      bool const in_cache = pos < seq.cache_len;
+      // Invalid copies read nothing; they still get an address inside the cache.
+      Element const* const k_src = !valid ? cached.k : in_cache ? k_cached + i * k_cached_step : k_new + i * k_new_step;
+      Element const* const v_src = !valid ? cached.v : in_cache ? v_cached + i * v_cached_step : v_new + i * v_new_step;
+      uint32_t const offset = row * Config::kRowBytes + ((chunk ^ (row % 8)) * 16);
+      warp::cp_async_16(stage + offset, k_src, valid);
+      warp::cp_async_16(stage + Config::kTileBytes + offset, v_src, valid);
+    }
+  }
+
+  // Q's 16 rows as MMA A fragments, (16 x kHeadDim): for each 16-column step, (g, 2c), (g + 8, 2c), (g, 2c + 8),
+  // (g + 8, 2c + 8), two values each. Rows past the call's rows and columns past the head dim are zeros.
+  __device__ static void load_q(Params const& p, RowTile const& t, int batch, int kv_head,
+                                uint32_t (&q)[kHeadDim / 16][4]) {
+    int const lane = threadIdx.x % 32;
+    Element const* const base = static_cast<Element const*>(p.q.ptr) + batch * p.q.batch_stride;
+    Element const* rows[2];
+    bool valid[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      int const r = t.first_row + lane / 4 + 8 * h;
+      valid[h] = r < t.rows;
+      int const rr = valid[h] ? r : 0;
+      rows[h] = base + (rr / t.group) * p.q.row_stride + (kv_head * t.group + rr % t.group) * p.q.head_stride;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        int const h = i % 2, col = kk * 16 + (i / 2) * 8 + (lane % 4) * 2;
+        q[kk][i] = valid[h] && col < p.headdim ? *reinterpret_cast<uint32_t const*>(rows[h] + col) : 0u;
+      }
+    }
+  }
+
+  static __device__ void run(Params const& p, char* smem) {
+    int const warp_idx = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int const split = blockIdx.x;
+    int const kv_head = blockIdx.y % p.nheads_kv;
+    int const batch = blockIdx.z;
+    RowTile const tile{int(blockIdx.y / p.nheads_kv) * Config::kRows, p.seqlen_q * (p.nheads / p.nheads_kv),
+                       p.nheads / p.nheads_kv};
+    DecodeSequence const seq = DecodeSequence::make(p, batch);
+    if (p.seqlen_new > 0 && split == 0 && tile.first_row == 0) { append_new(p, seq, batch, kv_head); }
+
+    // This split's blocks of 16 keys, and this warp's share: every kWarps-th block.
+    int key_lo, key_hi;
+    key_range(p, tile, seq, key_lo, key_hi);
+    int const block_lo = key_lo / kBlockN;
+    int const blocks = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN - block_lo : 0;
+    int const per_split = (blocks + p.num_splits - 1) / p.num_splits;
+    int const split_first = block_lo + min(split * per_split, blocks);
+    int const split_blocks = max(min(per_split, blocks - split * per_split), 0);
+    int const my_blocks = max((split_blocks - warp_idx + Config::kWarps - 1) / Config::kWarps, 0);
+    auto my_block = [&](int i) { return split_first + warp_idx + i * Config::kWarps; };
+
+    uint32_t const pipeline = warp::smem_address(smem) + warp_idx * Config::kStages * Config::kStageBytes;
+    auto stage_address = [&](int i) { return pipeline + (i % Config::kStages) * Config::kStageBytes; };
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < Config::kStages - 1; ++s) {
+      if (s < my_blocks) { load_block(p, seq, batch, kv_head, my_block(s), stage_address(s)); }
+      warp::cp_async_commit();
+    }
+
+    uint32_t q[kHeadDim / 16][4];
+    load_q(p, tile, batch, kv_head, q);
+    // Per thread: rows g and g + 8 of the tile; the keys each may see (mask.h's band, clamped to the sequence).
+    int visible_lo[2], visible_hi[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      int const r = tile.first_row + lane / 4 + 8 * h;
+      int const pos = seq.total - p.seqlen_q + r / tile.group;
+      visible_lo[h] = p.options.window_left >= 0 ? pos - p.options.window_left : 0;
+      visible_hi[h] = p.options.window_right >= 0 ? min(pos + p.options.window_right, seq.total - 1) : seq.total - 1;
+    }
+    Softmax<2> softmax(p.softmax_scale_log2);
+    OutFrag acc_o;
+    cute::clear(acc_o);
+
+    // Lane parts of the ldmatrix addresses: K as the B operand (rows = keys), V transposed (rows = keys too).
+    int const k_row = (lane / 16) * 8 + lane % 8, k_chunk_hi = (lane / 8) % 2;
+    int const v_row = ((lane / 8) % 2) * 8 + lane % 8, v_chunk_hi = lane / 16;
+
+    for (int i = 0; i < my_blocks; ++i) {
+      if (i + Config::kStages - 1 < my_blocks) {
+        load_block(p, seq, batch, kv_head, my_block(i + Config::kStages - 1), stage_address(i + Config::kStages - 1));
+      }
+      warp::cp_async_commit();
+      warp::cp_async_wait<Config::kStages - 1>();
+      __syncwarp();
+      uint32_t const k_tile = stage_address(i), v_tile = k_tile + Config::kTileBytes;
+
+      ScoreFrag acc_s;
+      cute::clear(acc_s);
+      CUTLASS_PRAGMA_UNROLL
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        uint32_t b[4];
+        warp::ldmatrix_x4(b, k_tile + k_row * Config::kRowBytes + (((2 * kk + k_chunk_hi) ^ (k_row % 8)) * 16));
+        warp::mma_16816<Element>(acc_s(0), acc_s(1), acc_s(2), acc_s(3), q[kk], b[0], b[1]);
+        warp::mma_16816<Element>(acc_s(4), acc_s(5), acc_s(6), acc_s(7), q[kk], b[2], b[3]);
+      }
+      if (p.softcap_pre_scale > 0.f) { apply_softcap(acc_s, p.softcap_pre_scale); }
+      int const first_key = my_block(i) * kBlockN;
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 8; ++e) {
+        int const key = first_key + (e / 4) * 8 + (lane % 4) * 2 + e % 2, h = (e / 2) % 2;
+        if (key < visible_lo[h] || key > visible_hi[h]) { acc_s(e) = -INFINITY; }
+      }
+      auto const correction = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/true>(acc_s);
+      softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/true>(acc_s);
+      softmax.rescale_o(acc_o, correction);
+
+      uint32_t const a[4] = {warp::pack_2<Element>(acc_s(0), acc_s(1)), warp::pack_2<Element>(acc_s(2), acc_s(3)),
+                             warp::pack_2<Element>(acc_s(4), acc_s(5)), warp::pack_2<Element>(acc_s(6), acc_s(7))};
+      CUTLASS_PRAGMA_UNROLL
+      for (int nd = 0; nd < kHeadDim / 16; ++nd) {
+        uint32_t b[4];
+        warp::ldmatrix_x4_trans(b, v_tile + v_row * Config::kRowBytes + (((2 * nd + v_chunk_hi) ^ (v_row % 8)) * 16));
+        warp::mma_16816<Element>(acc_o(8 * nd), acc_o(8 * nd + 1), acc_o(8 * nd + 2), acc_o(8 * nd + 3), a, b[0], b[1]);
+        warp::mma_16816<Element>(acc_o(8 * nd + 4), acc_o(8 * nd + 5), acc_o(8 * nd + 6), acc_o(8 * nd + 7), a, b[2], b[3]);
+      }
+      __syncwarp();  // every lane's ldmatrix of this stage is done before the next copy overwrites it
+    }
+
+    // Each warp's part, normalised, with its LSE (-inf for a warp that saw no key).
+    auto const inv_sum = softmax.finalize();
+    softmax.rescale_o(acc_o, inv_sum);
+    warp::cp_async_wait<0>();
+    __syncthreads();  // the pipeline's shared memory becomes the merge buffer
+    float* const merge_o = reinterpret_cast<float*>(smem);
+    float* const merge_lse = merge_o + Config::kWarps * Config::kRows * Config::kMergeRowFloats;
+    float* const warp_o = merge_o + warp_idx * Config::kRows * Config::kMergeRowFloats;
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < kHeadDim / 8; ++n) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        int const row = lane / 4 + 8 * h, col = n * 8 + (lane % 4) * 2;
+        *reinterpret_cast<float2*>(warp_o + row * Config::kMergeRowFloats + col) =
+            make_float2(acc_o(4 * n + 2 * h), acc_o(4 * n + 2 * h + 1));
+      }
+    }
+    if (lane % 4 == 0) {
+      merge_lse[warp_idx * Config::kRows + lane / 4] = softmax.row_sum(0);
+      merge_lse[warp_idx * Config::kRows + lane / 4 + 8] = softmax.row_sum(1);
+    }
+    __syncthreads();
+
+    // The warps' parts merged by their LSE (split_combine.h) and written out: the final O and LSE, or this
+    // split's part for the combine kernel.
+    constexpr int kQuads = kHeadDim / 4;
+    for (int item = threadIdx.x; item < Config::kRows * kQuads; item += kNumThreads) {
+      int const row = item / kQuads, col = (item % kQuads) * 4;
+      int const r = tile.first_row + row;
+      if (r >= tile.rows || col >= p.headdim) continue;
+      LseMerge merge;
+      CUTLASS_PRAGMA_UNROLL
+      for (int w = 0; w < Config::kWarps; ++w) { merge.add(merge_lse[w * Config::kRows + row]); }
+      float const lse = merge.lse();
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+      CUTLASS_PRAGMA_UNROLL
+      for (int w = 0; w < Config::kWarps; ++w) {
+        float const weight = LseMerge::weight(merge_lse[w * Config::kRows + row], lse);
+        if (weight == 0.f) continue;  // a part without keys (its O is 0, never NaN, but skip the reads)
+        float4 const part = *reinterpret_cast<float4 const*>(merge_o + (w * Config::kRows + row) * Config::kMergeRowFloats + col);
+        o.x += weight * part.x;
+        o.y += weight * part.y;
+        o.z += weight * part.z;
+        o.w += weight * part.w;
+      }
+      int const token = r / tile.group, head = kv_head * tile.group + r % tile.group;
+      SplitOutput const out = SplitOutput::of(p);
+      if (p.num_splits == 1) {
+        out.store_final<Element>(batch, token, head, col, o, lse, col == 0);
+      } else {
+        out.store_part(split, batch, token, head, col, o, lse, col == 0);
+      }
+    }
+  }
+};
+
+}  // namespace flash

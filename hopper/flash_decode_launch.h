@@ -1,0 +1,90 @@
+// Host side of one decode kernel instantiation (decode_kernel.h): the split count, the launches (the decode
+// kernel, then SplitCombine when the keys were split) and the registration. Included only by the generated
+// instantiation files (hopper/instantiations/flash_decode_*.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "decode_kernel.h"
+#include "decode_params.h"
+#include "kernel_launch.h"
+#include "kernel_registry.h"
+#include "split_combine.h"
+
+namespace flash {
+
+// The most splits a call may ask for (num_splits); the heuristic stays far below.
+constexpr int kMaxDecodeSplits = 128;
+
+template <class Element, int kHeadDim>
+struct DecodeLauncher {
+  using Config = DecodeConfig<Element, kHeadDim>;
+  using Kernel = DecodeKernel<Config>;
+
+  static int row_tiles(DecodeParams const& p) {
+    int const rows = p.seqlen_q * (p.nheads / p.nheads_kv);
+    return std::max((rows + Config::kRows - 1) / Config::kRows, 1);  // one, to append, even without queries
+  }
+
+  // CTAs of the decode kernel an SM holds, read once per device.
+  static int ctas_per_sm(int device) {
+    static std::atomic<int> cached[kMaxDevices] = {};
+    int n = cached[device].load(std::memory_order_relaxed);
+    if (n == 0) {
+      FLASH_CUDA_CHECK(cudaFuncSetAttribute(&device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            Kernel::kSharedStorageBytes));
+      FLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, &device_kernel<Kernel>, Kernel::kNumThreads,
+                                                                     Kernel::kSharedStorageBytes));
+      n = std::max(n, 1);
+      cached[device].store(n, std::memory_order_relaxed);
+    }
+    return n;
+  }
+
+  // num_splits, or with 0 the heuristic: enough CTAs for one full wave of the GPU, from the shapes alone
+  // (no device values are read, so CUDA graphs replay with any lengths), each warp at least two blocks of
+  // 16 keys of the cache's capacity.
+  static int splits(DecodeParams const& p) {
+    if (p.num_splits > 0) return std::min(p.num_splits, kMaxDecodeSplits);
+    int const device = current_device();
+    int64_t const slots = int64_t(num_sms(device)) * ctas_per_sm(device);
+    int64_t const ctas = int64_t(p.batch) * p.nheads_kv * row_tiles(p);
+    int const key_blocks = (p.seqlen_cache + Config::kBlockN - 1) / Config::kBlockN;
+    int64_t const useful = std::max(key_blocks / (2 * Config::kWarps), 1);
+    int64_t const fill = std::max<int64_t>(slots / std::max<int64_t>(ctas, 1), 1);
+    return int(std::min<int64_t>({fill, useful, int64_t(kMaxDecodeSplits)}));
+  }
+
+  static size_t workspace_bytes(DecodeParams const& p) {
+    return size_t(SplitOutput::workspace_bytes(splits(p), p.batch, p.seqlen_q, p.nheads, p.headdim));
+  }
+
+  // p.workspace must hold workspace_bytes(p).
+  static void run(DecodeParams const& p, cudaStream_t stream) {
+    int const device = current_device();
+    DecodeParams params = p;
+    params.num_splits = splits(p);
+    ScoreScales const scales = ScoreScales::make(p.softmax_scale, p.options.softcap);
+    params.softcap_pre_scale = scales.softcap_pre_scale;
+    params.softmax_scale_log2 = scales.softmax_scale_log2;
+    ctas_per_sm(device);  // raises the shared-memory limit on this device before the first launch
+    dim3 const grid(params.num_splits, row_tiles(p) * p.nheads_kv, p.batch);
+    launch_kernel<Kernel>(grid, params, device, stream);
+    if (params.num_splits > 1) {
+      launch_kernel<SplitCombine<Element>>(SplitCombine<Element>::grid(params), params, device, stream);
+    }
+  }
+};
+
+template <class Element, int kHeadDim>
+struct DecodeKernelRegistration : KernelRegistration<DecodeParams> {
+  using Launcher = DecodeLauncher<Element, kHeadDim>;
+  // The registry's causal key is unused: the decode kernels take every mask at run time.
+  DecodeKernelRegistration()
+      : KernelRegistration<DecodeParams>(kHeadDim, dtype_name<Element>(), false, &Launcher::run, &Launcher::workspace_bytes) {}
+};
+
+}  // namespace flash
