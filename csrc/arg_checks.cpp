@@ -344,12 +344,17 @@ DecodeShape check_decode(at::Tensor const& q, at::Tensor const& k_cache, at::Ten
   check_index(cache_seqlens, "cache_seqlens", {s.batch}, "(batch,)");
   TORCH_CHECK_VALUE(k_new.has_value() == v_new.has_value(), "k and v (the new keys and values) must be given together");
   if (k_new.has_value()) {
-    d.seqlen_new = k_new->size(1);
-    std::vector<int64_t> const sizes{s.batch, d.seqlen_new, s.nheads_kv, s.headdim};
     TORCH_CHECK_VALUE(k_new->dim() == 4, "k must have 4 dims (batch, seqlen_new, nheads_kv, headdim), got shape ",
                       tuple_str(k_new->sizes()));
-    check_tensor_like(*k_new, "k", sizes, q.scalar_type(), "(batch, seqlen_new, nheads_kv, headdim) in q's dtype");
-    check_tensor_like(*v_new, "v", sizes, q.scalar_type(), "(batch, seqlen_new, nheads_kv, headdim) in q's dtype");
+    d.seqlen_new = k_new->size(1);
+    std::vector<int64_t> const sizes{s.batch, d.seqlen_new, s.nheads_kv, s.headdim};
+    for (auto const& [t, name] : {std::pair{&*k_new, "k"}, std::pair{&*v_new, "v"}}) {
+      TORCH_CHECK_VALUE(t->sizes() == at::IntArrayRef(sizes), "k and v must be (batch, seqlen_new, nheads_kv, headdim) = ",
+                        tuple_str(sizes), " (the caches' heads and head dim), got ", name, " ", tuple_str(t->sizes()));
+      TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), "k and v must have the caches' dtype ",
+                       torch_name(q.scalar_type()), ", got ", name, " ", torch_name(t->scalar_type()));
+      if (t->numel() > 0) { check_layout(*t, name); }
+    }
     TORCH_CHECK_VALUE(d.seqlen_new <= s.seqlen_k, "k and v hold ", d.seqlen_new, " new keys per sequence, more than the "
                       "cache holds (", s.seqlen_k, ")");
   }

@@ -17,7 +17,7 @@ Both take no host synchronisation, so they run under CUDA graph capture and torc
 import torch
 
 from .fa3_compat import _check_index_tensor, _reads_values_now, _require_varlen_ops
-from .interface import _check_bool, _check_tensors, _require_extension, _softcap, _softmax_scale, _window_size
+from .interface import NO_WINDOW, _check_bool, _check_tensors, _require_extension, _softcap, _softmax_scale, _window_size
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -54,7 +54,8 @@ def _cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, device):
             raise ValueError(f"cache_seqlens = {cache_seqlens}{extra} must fit the cache: cache_seqlens must be in "
                              f"[0, {capacity - seqlen_new}] (the cache holds {capacity} keys per sequence)")
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
-    _check_index_tensor("cache_seqlens", cache_seqlens, batch, "(batch,)")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
+        _check_index_tensor("cache_seqlens", cache_seqlens, batch, "(batch,)")
     if cache_seqlens.device != device:
         raise ValueError(f"cache_seqlens must be on the cache's device ({device}), got {cache_seqlens.device}")
     return cache_seqlens
@@ -94,7 +95,7 @@ def _check_values(lens, seqlen_new, capacity, page_table, page_size, num_pages, 
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
-                            page_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            page_table=None, softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0,
                             num_splits=0, pack_gqa=None, sm_margin=0, return_softmax_lse=False, check_values=None,
                             **not_yet):
     """Attention of q over a KV cache, after appending k and v to it in place (FA3's flash_attn_with_kvcache).
@@ -127,84 +128,108 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     Returns out (batch, seqlen_q, nheads, headdim) in q's dtype, or (out, lse). A sequence without keys gets
     out = 0 and lse = -inf. Forward only (no autograd).
     """
+    if not_yet:
+        _reject_not_yet(not_yet)
+    if not (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+        _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
+    if q.dim() != 4 or k_cache.dim() != 4:
+        name, t = ("q", q) if q.dim() != 4 else ("k_cache", k_cache)
+        raise ValueError(f"flash_attn_with_kvcache: {name} must have 4 dims, got shape {tuple(t.shape)}")
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_kv = k_cache.shape[2]
+    paged = page_table is not None
+    seqlen_new = 0
+    if k is not None:
+        _check_tensors(k=k)
+        if k.dim() != 4:
+            raise ValueError(f"flash_attn_with_kvcache: k must have 4 dims, got shape {tuple(k.shape)}")
+        seqlen_new = k.shape[1]
+        if cache_seqlens is None and seqlen_new > 0:
+            raise ValueError("flash_attn_with_kvcache: appending k and v needs cache_seqlens (where they go)")
+    if paged:
+        _check_tensors(page_table=page_table)
+        if page_table.dim() != 2:
+            raise ValueError(f"flash_attn_with_kvcache: page_table must be int32 (batch={batch}, pages_per_seq), got "
+                             f"shape {tuple(page_table.shape)}")
+        if cache_seqlens is None:
+            raise ValueError("flash_attn_with_kvcache: a paged cache needs cache_seqlens")
+        page_size = k_cache.shape[1]
+        capacity = page_table.shape[1] * page_size
+    else:
+        page_size = 0
+        capacity = k_cache.shape[1]
+    scale = _softmax_scale(softmax_scale, headdim)
+    if causal is not False and causal is not True:
+        _check_bool("causal", causal)
+    if return_softmax_lse is not False and return_softmax_lse is not True:
+        _check_bool("return_softmax_lse", return_softmax_lse)
+    if check_values is not None:
+        _check_bool("check_values", check_values)
+    if type(num_splits) is not int or not 0 <= num_splits <= 128:
+        raise ValueError(f"flash_attn_with_kvcache: num_splits must be an int in [0, 128] (0 = chosen per call), got "
+                         f"{num_splits!r}")
+    window, softcap = _window_size(window_size), _softcap(softcap)
+    if type(cache_seqlens) is torch.Tensor and cache_seqlens.dtype is torch.int32 and cache_seqlens.dim() == 1 \
+            and cache_seqlens.shape[0] == batch and cache_seqlens.device == k_cache.device:
+        lens = cache_seqlens  # the common case, checked in one line (host time per call)
+    else:
+        lens = _cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, k_cache.device)
+    if cache_batch_idx is not None:
+        _check_index_tensor("cache_batch_idx", cache_batch_idx, batch, "(batch,)")
+    device_values = paged or cache_batch_idx is not None or lens is cache_seqlens
+    if device_values and check_values is not False and (check_values or _reads_values_now([lens])):
+        if paged and (page_table.dtype != torch.int32 or page_table.shape[0] != batch):
+            raise ValueError(f"flash_attn_with_kvcache: page_table must be int32 (batch={batch}, pages_per_seq), got "
+                             f"{page_table.dtype} {tuple(page_table.shape)}")
+        if paged and (page_size == 0 or page_size % 16):
+            raise ValueError(f"flash_attn_with_kvcache: a paged cache's page size (k_cache.shape[1]) must be a "
+                             f"positive multiple of 16, got {page_size}")
+        _check_values(lens, seqlen_new, capacity, page_table, page_size, k_cache.shape[0], cache_batch_idx,
+                      k_cache.shape[0])
+
+    # Few query rows per KV head, or a cache the varlen view cannot describe: the decode kernel, whose op
+    # checks every tensor (csrc/arg_checks.cpp: check_decode). Else the varlen attention kernels.
+    if paged or cache_batch_idx is not None or seqlen_q * nheads <= DECODE_MAX_ROWS * max(nheads_kv, 1) \
+            or not _entries_follow(k_cache, v_cache, batch):
+        _require_extension()
+        out, lse = torch.ops.flash_ext.decode(q, k_cache, v_cache, k, v, lens, cache_batch_idx, page_table, scale, causal,
+                                              window[0], window[1], softcap, num_splits)
+        return (out, lse) if return_softmax_lse else out
+    _check_for_varlen_path(q, k_cache, v_cache, k, v, nheads_kv)
+    return _varlen_path(q, k_cache, v_cache, k, v, lens, seqlen_new, scale, causal, window, softcap,
+                        return_softmax_lse)
+
+
+def _reject_not_yet(not_yet):
     for name, value in not_yet.items():
         if name not in _NOT_YET:
             raise TypeError(f"flash_attn_with_kvcache() got an unexpected keyword argument '{name}'")
         if value is not None:
             raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported by flash_ext yet (only None)")
-    _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 4:
-            raise ValueError(f"flash_attn_with_kvcache: {name} must have 4 dims, got shape {tuple(t.shape)}")
-    batch, seqlen_q, nheads, headdim = q.shape
-    paged = page_table is not None
-    if k_cache.shape != v_cache.shape or k_cache.shape[3] != headdim:
-        layout = "num_pages, page_size" if paged else "entries, seqlen_cache"
-        raise ValueError(f"flash_attn_with_kvcache: k_cache and v_cache must be ({layout}, nheads_kv, headdim={headdim}), "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    nheads_kv = k_cache.shape[2]
-    if paged:
-        _check_tensors(page_table=page_table)
-        if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != batch:
-            raise ValueError(f"flash_attn_with_kvcache: page_table must be int32 (batch={batch}, pages_per_seq), got "
-                             f"{page_table.dtype} {tuple(page_table.shape)}")
-        if cache_batch_idx is not None:
-            raise ValueError("flash_attn_with_kvcache: cache_batch_idx selects entries of a contiguous cache; with "
-                             "page_table (a paged cache) it must be None")
-        page_size = k_cache.shape[1]
-        if page_size % 16 != 0 or page_size == 0:
-            raise ValueError(f"flash_attn_with_kvcache: a paged cache's page size (k_cache.shape[1]) must be a positive "
-                             f"multiple of 16, got {page_size}")
-        capacity = page_table.shape[1] * page_size
-    else:
-        page_size = 0
-        capacity = k_cache.shape[1]
-        if cache_batch_idx is not None:
-            _check_index_tensor("cache_batch_idx", cache_batch_idx, batch, "(batch,)")
-        elif k_cache.shape[0] < batch:
-            raise ValueError(f"flash_attn_with_kvcache: k_cache and v_cache must have an entry per sequence ({batch}), "
-                             f"got {k_cache.shape[0]} (or pass cache_batch_idx)")
+
+
+def _entries_follow(k_cache, v_cache, batch):
+    """Whether the first `batch` entries of each contiguous cache are one packed tensor (the varlen view)."""
+    return batch <= 1 or all(c.stride(0) == c.shape[1] * c.stride(1) for c in (k_cache, v_cache))
+
+
+def _check_for_varlen_path(q, k_cache, v_cache, k, v, nheads_kv):
+    """The varlen path's op sees packed views, so the caches' and new keys' shapes are checked here."""
+    batch, _, nheads, headdim = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != headdim or k_cache.shape[0] < batch:
+        raise ValueError(f"flash_attn_with_kvcache: k_cache and v_cache must be (entries >= {batch}, seqlen_cache, "
+                         f"nheads_kv, headdim={headdim}), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if (k is None) != (v is None):
         raise ValueError("flash_attn_with_kvcache: k and v (the new keys and values) must be given together")
-    seqlen_new = 0
     if k is not None:
-        _check_tensors(k=k, v=v)
-        if k.shape != v.shape or k.dim() != 4 or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
-            raise ValueError(f"flash_attn_with_kvcache: k and v must be (batch={batch}, seqlen_new, {nheads_kv}, "
-                             f"{headdim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        _check_tensors(v=v)
+        if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"flash_attn_with_kvcache: k and v must be (batch, seqlen_new, nheads_kv, headdim) = "
+                             f"({batch}, {k.shape[1]}, {nheads_kv}, {headdim}), got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
         if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
             raise TypeError(f"flash_attn_with_kvcache: k and v must have the caches' dtype {k_cache.dtype}, got "
                             f"{k.dtype} and {v.dtype}")
-        seqlen_new = k.shape[1]
-        if cache_seqlens is None and seqlen_new > 0:
-            raise ValueError("flash_attn_with_kvcache: appending k and v needs cache_seqlens (where they go)")
-    if paged and cache_seqlens is None:
-        raise ValueError("flash_attn_with_kvcache: a paged cache needs cache_seqlens")
-    scale = _softmax_scale(softmax_scale, headdim)
-    _check_bool("causal", causal)
-    _check_bool("return_softmax_lse", return_softmax_lse)
-    if check_values is not None:
-        _check_bool("check_values", check_values)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
-        raise ValueError(f"flash_attn_with_kvcache: num_splits must be an int in [0, 128] (0 = chosen per call), got "
-                         f"{num_splits!r}")
-    window, softcap = _window_size(window_size), _softcap(softcap)
-    lens = _cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, k_cache.device)
-    device_values = isinstance(cache_seqlens, torch.Tensor) or paged or cache_batch_idx is not None
-    if device_values and (check_values or (check_values is None and _reads_values_now([lens]))):
-        _check_values(lens, seqlen_new, capacity, page_table, page_size, k_cache.shape[0], cache_batch_idx,
-                      k_cache.shape[0])
-
-    rows_per_kv_head = seqlen_q * (nheads // max(nheads_kv, 1))
-    entries_follow = batch <= 1 or (k_cache.stride(0) == capacity * k_cache.stride(1)
-                                    and v_cache.stride(0) == capacity * v_cache.stride(1))
-    if paged or cache_batch_idx is not None or rows_per_kv_head <= DECODE_MAX_ROWS or not entries_follow:
-        _require_extension()
-        out, lse = torch.ops.flash_ext.decode(q, k_cache, v_cache, k, v, lens, cache_batch_idx, page_table, scale, causal,
-                                              window[0], window[1], softcap, num_splits)
-        return (out, lse) if return_softmax_lse else out
-    return _varlen_path(q, k_cache, v_cache, k, v, lens, seqlen_new, scale, causal, window, softcap,
-                        return_softmax_lse)
 
 
 def _varlen_path(q, k_cache, v_cache, k, v, lens, seqlen_new, scale, causal, window, softcap, return_softmax_lse):

@@ -45,17 +45,20 @@ struct DecodeLauncher {
   }
 
   // num_splits, or with 0 the heuristic: enough CTAs for one full wave of the GPU, from the shapes alone
-  // (no device values are read, so CUDA graphs replay with any lengths), each warp at least two blocks of
-  // 16 keys of the cache's capacity.
+  // (no device values are read, so CUDA graphs replay with any lengths), each warp at least
+  // kMinBlocksPerWarp blocks of 16 keys of the cache's capacity (fewer and the split's fixed costs, its
+  // pipeline's first loads and the combine, outweigh the parallelism: docs/perf-notes.md section 25).
+  static constexpr int kMinBlocksPerWarp = 4;
+  static constexpr int kMaxHeuristicSplits = 32;
   static int splits(DecodeParams const& p) {
     if (p.num_splits > 0) return std::min(p.num_splits, kMaxDecodeSplits);
     int const device = current_device();
     int64_t const slots = int64_t(num_sms(device)) * ctas_per_sm(device);
     int64_t const ctas = int64_t(p.batch) * p.nheads_kv * row_tiles(p);
     int const key_blocks = (p.seqlen_cache + Config::kBlockN - 1) / Config::kBlockN;
-    int64_t const useful = std::max(key_blocks / (2 * Config::kWarps), 1);
+    int64_t const useful = std::max(key_blocks / (kMinBlocksPerWarp * Config::kWarps), 1);
     int64_t const fill = std::max<int64_t>(slots / std::max<int64_t>(ctas, 1), 1);
-    return int(std::min<int64_t>({fill, useful, int64_t(kMaxDecodeSplits)}));
+    return int(std::min<int64_t>({fill, useful, int64_t(kMaxHeuristicSplits)}));
   }
 
   static size_t workspace_bytes(DecodeParams const& p) {

@@ -11,10 +11,12 @@
 #                                                 (AB_BWD_HEADDIMS=64,128, AB_BWD_SEQLENS=2048,8192)
 #   MEMCHECK=1                                    also compute-sanitizer memcheck over every 16-bit forward kernel
 #                                                 (both launch forms), every backward kernel, and both through
-#                                                 the varlen ops (valid and invalid offsets)
+#                                                 the varlen ops (valid and invalid offsets), and every
+#                                                 decode kernel (scripts/memcheck_decode.py)
 #   GRID16=1                                      also the fp16 forward grid and GQA (nheads_kv = nheads / 8) at d128
 #   VARLEN=1                                      also the --varlen benchmark (fwd and bwd, d64/128/256, both masks)
 #   OVERHEAD=1                                    also scripts/call_overhead.py (host and GPU time of a tiny call)
+#   DECODE=1                                      also the --decode benchmark (flash_attn_with_kvcache beside SDPA)
 #   FP8=1                                         also the FP8 benchmark (fp8 vs our bf16, 8k, d64/128/256, both masks),
 #                                                 memcheck over every FP8 kernel, and the accuracy table
 #                                                 (FP8_VARIANT=off0: a -DFLASH_EXT_FP8_MAX_OFFSET=0 variant build)
@@ -79,6 +81,10 @@ if [ "${MEMCHECK:-0}" != 0 ]; then
   step memcheck_fwd ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fwd.py
   step memcheck_bwd ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_bwd.py
   step memcheck_varlen ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_varlen.py
+  step memcheck_decode ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_decode.py
+fi
+if [ "${DECODE:-0}" != 0 ]; then
+  step bench_decode ${BENCH_S:-240} python3 -m flash_ext.benchmark --decode --out "$out" --name bench_decode --no-progress
 fi
 if [ "${FP8:-0}" != 0 ]; then
   step bench_fp8 ${BENCH_S:-240} python3 -m flash_ext.benchmark --dtype fp8 --headdims 64,128,256 --seqlens 8k --causal both \

@@ -52,7 +52,6 @@ def test_bad_input_names_the_argument():
     k_new = torch.randn(2, 3, 2, 64, dtype=torch.bfloat16)
     cases = [
         (TypeError, "unexpected keyword argument 'cache_seqlen'", dict(cache_seqlen=3)),
-        (ValueError, "k and v .* must be given together", dict(k=k_new, cache_seqlens=3)),
         (ValueError, "appending k and v needs cache_seqlens", dict(k=k_new, v=k_new)),
         (ValueError, r"cache_seqlens = 14 plus 3 new keys must fit the cache: cache_seqlens must be in \[0, 13\]",
          dict(k=k_new, v=k_new, cache_seqlens=14)),
@@ -67,18 +66,12 @@ def test_bad_input_names_the_argument():
         (TypeError, "cache_seqlens must be torch.int32", dict(cache_seqlens=torch.tensor([1, 2]))),
         (ValueError, r"cache_seqlens must have shape \(batch,\) = \(2,\)", dict(cache_seqlens=torch.tensor([1], dtype=torch.int32))),
         (TypeError, "cache_seqlens must be an int", dict(cache_seqlens=2.0)),
-        (TypeError, "k and v must have the caches' dtype", dict(k=k_new.half(), v=k_new.half(), cache_seqlens=1)),
-        (ValueError, r"k and v must be \(batch=2, seqlen_new, 2, 64\)", dict(k=k_new[:, :, :1], v=k_new[:, :, :1], cache_seqlens=1)),
         (TypeError, "causal must be a bool", dict(causal=1)),
         (TypeError, "return_softmax_lse must be a bool", dict(return_softmax_lse=None)),
     ]
     for error, message, kwargs in cases:
         with pytest.raises(error, match=message):
             flash_ext.flash_attn_with_kvcache(q, kc, vc, **kwargs)
-    with pytest.raises(ValueError, match="k_cache and v_cache must have an entry per sequence"):
-        flash_ext.flash_attn_with_kvcache(q, kc[:1], vc[:1])
-    with pytest.raises(ValueError, match="k_cache and v_cache must be"):
-        flash_ext.flash_attn_with_kvcache(q, kc, vc[:, :8])
     with pytest.raises(ReachedOp):  # a strided cache goes to the decode kernel
         wide = torch.randn(2, 20, 2, 64, dtype=torch.bfloat16)[:, :16]
         flash_ext.flash_attn_with_kvcache(q, wide, vc)
@@ -105,8 +98,8 @@ def test_paged_cache_checks():
         (ValueError, "a paged cache needs cache_seqlens", dict(page_table=table)),
         (ValueError, r"page_table must be int32 \(batch=2, pages_per_seq\)", dict(cache_seqlens=lens, page_table=table[:1])),
         (ValueError, r"page_table must be int32", dict(cache_seqlens=lens, page_table=table.long())),
-        (ValueError, "with page_table .* it must be None",
-         dict(cache_seqlens=lens, page_table=table, cache_batch_idx=torch.zeros(2, dtype=torch.int32))),
+        (ValueError, r"page_table must be int32 \(batch=2, pages_per_seq\), got shape \(6,\)",
+         dict(cache_seqlens=lens, page_table=table.reshape(-1))),
         (ValueError, r"page_table\[0, 1\] = 6 is not a page of the cache \(0..5\); sequence 0 uses slots 0..1",
          dict(cache_seqlens=torch.tensor([17, 0], dtype=torch.int32), page_table=bad_slot)),
         (ValueError, r"cache_seqlens\[1\] = 47 must be in \[0, capacity - seqlen_new = 46\]",
@@ -124,3 +117,41 @@ def test_paged_cache_checks():
                                           page_table=bad_slot, check_values=False)
     with pytest.raises(ValueError, match="page size .* must be a positive multiple of 16"):
         flash_ext.flash_attn_with_kvcache(q, kp[:, :8], vp[:, :8], cache_seqlens=lens, page_table=table)
+
+
+@pytest.fixture
+def real_op(monkeypatch):
+    """The op's own checks (csrc/arg_checks.cpp), reached with CPU tensors: they raise before "needs CUDA"."""
+    if not flash_ext.extension_available():
+        pytest.skip("the compiled extension is not built")
+    monkeypatch.setattr(kvcache, "_require_extension", lambda: None)
+
+
+def test_op_checks_name_the_argument(real_op):
+    q, kc, vc = _inputs()
+    k_new = torch.randn(2, 3, 2, 64, dtype=torch.bfloat16)
+    lens = torch.tensor([1, 2], dtype=torch.int32)
+    cases = [
+        (ValueError, "k and v .* must be given together", dict(k=k_new, cache_seqlens=3)),
+        (TypeError, r"k and v must have the caches' dtype torch.bfloat16, got k torch.float16",
+         dict(k=k_new.half(), v=k_new.half(), cache_seqlens=1)),
+        (ValueError, r"k and v must be \(batch, seqlen_new, nheads_kv, headdim\) = \(2, 3, 2, 64\)",
+         dict(k=k_new[:, :, :1], v=k_new[:, :, :1], cache_seqlens=1)),
+        (ValueError, "with page_table .* it must be None",
+         dict(cache_seqlens=lens, page_table=torch.zeros(2, 1, dtype=torch.int32), cache_batch_idx=lens, check_values=False)),
+        (ValueError, "needs CUDA tensors", dict(cache_seqlens=lens)),
+    ]
+    for error, message, kwargs in cases:
+        with pytest.raises(error, match=message):
+            flash_ext.flash_attn_with_kvcache(q, kc, vc, **kwargs)
+    with pytest.raises(ValueError, match="k_cache and v_cache need an entry per sequence: 2 sequences, 1 entries"):
+        flash_ext.flash_attn_with_kvcache(q, kc[:1], vc[:1])
+    with pytest.raises(ValueError, match="k_cache and v_cache must have one shape"):
+        flash_ext.flash_attn_with_kvcache(q, kc, vc[:, :8])
+    with pytest.raises(TypeError, match="k_cache and v_cache must have q's dtype"):
+        flash_ext.flash_attn_with_kvcache(q, kc.half(), vc.half())
+    with pytest.raises(ValueError, match="head dim 36 is not supported"):
+        flash_ext.flash_attn_with_kvcache(q[..., :36].contiguous(), kc[..., :36].contiguous(), vc[..., :36].contiguous())
+    with pytest.raises(ValueError, match="page size .* must be a positive multiple of 16, got 8"):
+        flash_ext.flash_attn_with_kvcache(q, kc[:, :8], vc[:, :8], cache_seqlens=lens,
+                                          page_table=torch.zeros(2, 1, dtype=torch.int32), check_values=False)

@@ -1,0 +1,46 @@
+"""Decode-kernel time by split count and the kernels' own durations (torch.profiler), for tuning the split
+heuristic and seeing the fixed costs: b, 1 query, cache L, h32/kv8, d128 bf16.
+
+    PYTHONPATH=$PWD python3 scripts/decode_splits.py [--shapes 8x512,8x4096,1x32768]
+"""
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flash_ext
+from flash_ext.bench.decode import _do_bench, _graphed
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="8x512,8x4096,1x32768,64x512")
+    p.add_argument("--splits", default="0,1,2,3,4,6,8,12,16,24,32")
+    a = p.parse_args()
+    for shape in a.shapes.split(","):
+        b, L = (int(x) for x in shape.split("x"))
+        q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(b, L, 8, 128, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+        kv_mb = 2 * kc.numel() * 2 / 1e6
+        line = []
+        for s in (int(x) for x in a.splits.split(",")):
+            fn = lambda: flash_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s, check_values=False)  # noqa: E731
+            t = _do_bench(_graphed(fn), 25, 100)
+            line.append(f"{s}:{t:.1f}")
+        print(f"b{b} L{L} ({kv_mb:.0f} MB) graph us by num_splits: " + " ".join(line), flush=True)
+        fn = lambda: flash_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, check_values=False)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" or "Kernel" in e.key or "kernel" in e.key:
+                print(f"   {e.key[:90]:<90} n={e.count:<4} avg {e.device_time_total / max(e.count, 1):.1f} us")
+
+
+if __name__ == "__main__":
+    main()
