@@ -5,9 +5,9 @@
 //   group, so a decode step of 32 query heads over 8 KV heads fills 4 of the 16 rows with one K/V read
 //   (the attention kernels' 128-row tiles would hold one).
 // - Split-KV: the keys of a (sequence, KV head) are split over gridDim.x CTAs; each writes its part's O and
-//   LSE in fp32 and split_combine.h merges them. Inside a CTA, each of the 4 warps takes every 4th block of
-//   16 keys with its own cp.async pipeline (no CTA-wide barrier until the end), and the warps' parts are
-//   merged through shared memory the same way.
+//   LSE in fp32 and split_combine.h merges them. Inside a CTA, each of its 4 or 8 warps takes every 4th (8th)
+//   block of 16 keys with its own cp.async pipeline (no CTA-wide barrier until the end), and the warps'
+//   parts are merged through shared memory the same way.
 // - Any cache layout: each 16-key block is read with 16-byte cp.async copies from the cache (contiguous,
 //   cache_batch_idx, or one page of a paged cache: pages hold a multiple of 16 keys) or from the new keys.
 // - Per block: S = Q K^T and O += P V with m16n8k16 MMAs (warp_mma.h), masks and softcap as the attention
@@ -28,15 +28,26 @@
 
 namespace flash {
 
+// Developer knob for A/B builds (scripts/build_variant.sh): pipeline stages per warp.
+#ifndef FLASH_EXT_DECODE_STAGES
+#define FLASH_EXT_DECODE_STAGES 0  // 0: by head dim, below
+#endif
+
 template <class Element_, int kHeadDim_>
 struct DecodeConfig {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  // Warps per CTA, chosen per launch (blockDim.x): 4, or 8 where one CTA per SM covers the grid and its shared
+  // memory fits, which halves each warp's chain of blocks (flash_decode_launch.h; perf-notes section 25).
   static constexpr int kWarps = 4;
+  static constexpr int kMaxWarps = 8;
   static constexpr int kRows = 16;    // query rows of a CTA: one MMA tile
   static constexpr int kBlockN = 16;  // keys per warp step: one page of the smallest size
   // Stages per warp: ~32 KB of K/V in flight per warp at d <= 128, so that 2 CTAs per SM keep HBM busy.
-  static constexpr int kStages = kHeadDim <= 64 ? 4 : kHeadDim <= 128 ? 3 : 2;
+  static constexpr int kStages = FLASH_EXT_DECODE_STAGES > 0 ? FLASH_EXT_DECODE_STAGES
+                                 : kHeadDim <= 64                ? 4
+                                 : kHeadDim <= 128               ? 3
+                                                                 : 2;
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per K/V row
   static constexpr int kRowBytes = kHeadDim * 2;
   static constexpr int kTileBytes = kBlockN * kRowBytes;  // K or V of one step
@@ -45,9 +56,12 @@ struct DecodeConfig {
   static constexpr int kCopiesPerTile = kBlockN / kRowsPerCopy;
   // The warps' normalised O and LSE for the final merge, fp32, rows padded by 4 floats (fewer bank conflicts).
   static constexpr int kMergeRowFloats = kHeadDim + 4;
-  static constexpr int kMergeBytes = kWarps * kRows * (kMergeRowFloats + 1) * 4;
-  static constexpr int kPipelineBytes = kWarps * kStages * kStageBytes;
-  static constexpr int kSharedBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+  static constexpr int shared_bytes(int warps) {
+    int const pipeline = warps * kStages * kStageBytes, merge = warps * kRows * (kMergeRowFloats + 1) * 4;
+    return pipeline > merge ? pipeline : merge;
+  }
+  static constexpr int kSharedBytes = shared_bytes(kWarps);
+  static constexpr bool kMaxWarpsFit = shared_bytes(kMaxWarps) <= 227 * 1024;
   static_assert(std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>);
   static_assert(kHeadDim % 16 == 0 && kChunks <= 32 && 32 % kChunks == 0);
 };
@@ -95,7 +109,7 @@ struct DecodeKernel {
   using Element = typename Config::Element;
   using Params = DecodeParams;
   static constexpr int kHeadDim = Config::kHeadDim;
-  static constexpr int kNumThreads = Config::kWarps * 32;
+  static constexpr int kNumThreads = Config::kMaxWarps * 32;  // the launch bound; blockDim.x is 128 or 256
   static constexpr int kMinBlocksPerSm = 1;
   static constexpr int kSharedStorageBytes = Config::kSharedBytes;
   static constexpr int kBlockN = Config::kBlockN;
@@ -123,7 +137,7 @@ struct DecodeKernel {
   // k_new / v_new, so no CTA waits for this).
   __device__ static void append_new(Params const& p, DecodeSequence const& seq, int batch, int kv_head) {
     int const chunks = p.seqlen_new * Config::kChunks;
-    for (int i = threadIdx.x; i < chunks; i += kNumThreads) {
+    for (int i = threadIdx.x; i < chunks; i += blockDim.x) {
       int const j = i / Config::kChunks, col = (i % Config::kChunks) * 8;
       if (col >= p.headdim) continue;
       int const pos = seq.cache_len + j;
@@ -209,7 +223,8 @@ struct DecodeKernel {
     DecodeSequence const seq = DecodeSequence::make(p, batch);
     if (p.seqlen_new > 0 && split == 0 && tile.first_row == 0) { append_new(p, seq, batch, kv_head); }
 
-    // This split's blocks of 16 keys, and this warp's share: every kWarps-th block.
+    // This split's blocks of 16 keys, and this warp's share: every warps-th block.
+    int const warps = blockDim.x / 32;
     int key_lo, key_hi;
     key_range(p, tile, seq, key_lo, key_hi);
     int const block_lo = key_lo / kBlockN;
@@ -217,8 +232,8 @@ struct DecodeKernel {
     int const per_split = (blocks + p.num_splits - 1) / p.num_splits;
     int const split_first = block_lo + min(split * per_split, blocks);
     int const split_blocks = max(min(per_split, blocks - split * per_split), 0);
-    int const my_blocks = max((split_blocks - warp_idx + Config::kWarps - 1) / Config::kWarps, 0);
-    auto my_block = [&](int i) { return split_first + warp_idx + i * Config::kWarps; };
+    int const my_blocks = max((split_blocks - warp_idx + warps - 1) / warps, 0);
+    auto my_block = [&](int i) { return split_first + warp_idx + i * warps; };
 
     uint32_t const pipeline = warp::smem_address(smem) + warp_idx * Config::kStages * Config::kStageBytes;
     auto stage_address = [&](int i) { return pipeline + (i % Config::kStages) * Config::kStageBytes; };
@@ -294,7 +309,7 @@ struct DecodeKernel {
     warp::cp_async_wait<0>();
     __syncthreads();  // the pipeline's shared memory becomes the merge buffer
     float* const merge_o = reinterpret_cast<float*>(smem);
-    float* const merge_lse = merge_o + Config::kWarps * Config::kRows * Config::kMergeRowFloats;
+    float* const merge_lse = merge_o + warps * Config::kRows * Config::kMergeRowFloats;
     float* const warp_o = merge_o + warp_idx * Config::kRows * Config::kMergeRowFloats;
     CUTLASS_PRAGMA_UNROLL
     for (int n = 0; n < kHeadDim / 8; ++n) {
@@ -314,17 +329,15 @@ struct DecodeKernel {
     // The warps' parts merged by their LSE (split_combine.h) and written out: the final O and LSE, or this
     // split's part for the combine kernel.
     constexpr int kQuads = kHeadDim / 4;
-    for (int item = threadIdx.x; item < Config::kRows * kQuads; item += kNumThreads) {
+    for (int item = threadIdx.x; item < Config::kRows * kQuads; item += blockDim.x) {
       int const row = item / kQuads, col = (item % kQuads) * 4;
       int const r = tile.first_row + row;
       if (r >= tile.rows || col >= p.headdim) continue;
       LseMerge merge;
-      CUTLASS_PRAGMA_UNROLL
-      for (int w = 0; w < Config::kWarps; ++w) { merge.add(merge_lse[w * Config::kRows + row]); }
+      for (int w = 0; w < warps; ++w) { merge.add(merge_lse[w * Config::kRows + row]); }
       float const lse = merge.lse();
       float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-      CUTLASS_PRAGMA_UNROLL
-      for (int w = 0; w < Config::kWarps; ++w) {
+      for (int w = 0; w < warps; ++w) {
         float const weight = LseMerge::weight(merge_lse[w * Config::kRows + row], lse);
         if (weight == 0.f) continue;  // a part without keys (its O is 0, never NaN, but skip the reads)
         float4 const part = *reinterpret_cast<float4 const*>(merge_o + (w * Config::kRows + row) * Config::kMergeRowFloats + col);

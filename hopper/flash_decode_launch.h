@@ -29,15 +29,16 @@ struct DecodeLauncher {
     return std::max((rows + Config::kRows - 1) / Config::kRows, 1);  // one, to append, even without queries
   }
 
-  // CTAs of the decode kernel an SM holds, read once per device.
+  // CTAs of 4 warps an SM holds, read once per device (which also raises the kernel's shared-memory limit to
+  // what 8 warps need).
   static int ctas_per_sm(int device) {
     static std::atomic<int> cached[kMaxDevices] = {};
     int n = cached[device].load(std::memory_order_relaxed);
     if (n == 0) {
-      FLASH_CUDA_CHECK(cudaFuncSetAttribute(&device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            Kernel::kSharedStorageBytes));
-      FLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, &device_kernel<Kernel>, Kernel::kNumThreads,
-                                                                     Kernel::kSharedStorageBytes));
+      int const limit = Config::shared_bytes(Config::kMaxWarpsFit ? Config::kMaxWarps : Config::kWarps);
+      FLASH_CUDA_CHECK(cudaFuncSetAttribute(&device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+      FLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, &device_kernel<Kernel>, Config::kWarps * 32,
+                                                                     Config::kSharedBytes));
       n = std::max(n, 1);
       cached[device].store(n, std::memory_order_relaxed);
     }
@@ -50,32 +51,47 @@ struct DecodeLauncher {
   // pipeline's first loads and the combine, outweigh the parallelism: docs/perf-notes.md section 25).
   static constexpr int kMinBlocksPerWarp = 4;
   static constexpr int kMaxHeuristicSplits = 32;
-  static int splits(DecodeParams const& p) {
-    if (p.num_splits > 0) return std::min(p.num_splits, kMaxDecodeSplits);
+
+  // How a call runs: CTAs of 8 warps (one per SM) when the (sequence, KV head, row tile) triples fit in one
+  // CTA per SM, else of 4 warps (two per SM, so that one CTA's loads overlap another's epilogue); the splits
+  // are then num_splits, or with 0 the heuristic: enough CTAs for one full wave of the GPU, from the shapes
+  // alone (no device values are read, so CUDA graphs replay with any lengths), each warp at least
+  // kMinBlocksPerWarp blocks of 16 keys of the cache's capacity (fewer and a split's fixed costs, its
+  // pipeline's first loads and the combine, outweigh the parallelism: docs/perf-notes.md section 25).
+  struct Plan {
+    int warps, splits;
+  };
+  static Plan plan(DecodeParams const& p) {
     int const device = current_device();
-    int64_t const slots = int64_t(num_sms(device)) * ctas_per_sm(device);
-    int64_t const ctas = int64_t(p.batch) * p.nheads_kv * row_tiles(p);
+    int64_t const sms = num_sms(device);
+    int64_t const ctas = std::max<int64_t>(int64_t(p.batch) * p.nheads_kv * row_tiles(p), 1);
+    bool const eight = Config::kMaxWarpsFit && (p.num_splits > 0 ? ctas * p.num_splits : ctas) <= sms;
+    int const warps = eight ? Config::kMaxWarps : Config::kWarps;
+    if (p.num_splits > 0) return {warps, std::min(p.num_splits, kMaxDecodeSplits)};
+    int64_t const slots = eight ? sms : sms * ctas_per_sm(device);
     int const key_blocks = (p.seqlen_cache + Config::kBlockN - 1) / Config::kBlockN;
-    int64_t const useful = std::max(key_blocks / (kMinBlocksPerWarp * Config::kWarps), 1);
-    int64_t const fill = std::max<int64_t>(slots / std::max<int64_t>(ctas, 1), 1);
-    return int(std::min<int64_t>({fill, useful, int64_t(kMaxHeuristicSplits)}));
+    int64_t const useful = std::max(key_blocks / (kMinBlocksPerWarp * warps), 1);
+    int64_t const fill = std::max<int64_t>(slots / ctas, 1);
+    return {warps, int(std::min<int64_t>({fill, useful, int64_t(kMaxHeuristicSplits)}))};
   }
 
   static size_t workspace_bytes(DecodeParams const& p) {
-    return size_t(SplitOutput::workspace_bytes(splits(p), p.batch, p.seqlen_q, p.nheads, p.headdim));
+    return size_t(SplitOutput::workspace_bytes(plan(p).splits, p.batch, p.seqlen_q, p.nheads, p.headdim));
   }
 
   // p.workspace must hold workspace_bytes(p).
   static void run(DecodeParams const& p, cudaStream_t stream) {
     int const device = current_device();
     DecodeParams params = p;
-    params.num_splits = splits(p);
+    Plan const how = plan(p);
+    params.num_splits = how.splits;
     ScoreScales const scales = ScoreScales::make(p.softmax_scale, p.options.softcap);
     params.softcap_pre_scale = scales.softcap_pre_scale;
     params.softmax_scale_log2 = scales.softmax_scale_log2;
     ctas_per_sm(device);  // raises the shared-memory limit on this device before the first launch
     dim3 const grid(params.num_splits, row_tiles(p) * p.nheads_kv, p.batch);
-    launch_kernel<Kernel>(grid, params, device, stream);
+    device_kernel<Kernel><<<grid, how.warps * 32, Config::shared_bytes(how.warps), stream>>>(params);
+    FLASH_CUDA_CHECK(cudaGetLastError());
     if (params.num_splits > 1) {
       launch_kernel<SplitCombine<Element>>(SplitCombine<Element>::grid(params), params, device, stream);
     }

@@ -1,0 +1,53 @@
+"""Decode kernels of variant builds side by side in one process (graph replay, do_bench median, us), with SDPA
+cuDNN on the same cache: b, 1 query, cache L, h32/kv8, d128 bf16, num_splits from each build's heuristic.
+Outputs are compared with the main build's (max abs difference).
+
+    PYTHONPATH=$PWD python3 scripts/ab_decode.py --variants w8,s5 [--shapes 8x512,8x4096]
+"""
+import argparse
+import importlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_ext  # noqa: F401  (loads the main build's ops)
+from flash_ext.bench.decode import _do_bench, _graphed
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", default="")
+    p.add_argument("--shapes", default="1x512,1x4096,8x512,8x4096,1x32768,64x512,8x32768")
+    p.add_argument("--rounds", type=int, default=2)
+    a = p.parse_args()
+    ops = {"main": torch.ops.flash_ext}
+    for name in filter(None, a.variants.split(",")):
+        importlib.import_module(f"flash_ext._C_{name}")
+        ops[name] = getattr(torch.ops, f"flash_ext_{name}")
+    print(f"{'shape':<12}" + "".join(f"{n:>10}" for n in ops) + f"{'cuDNN':>10}  max |diff| vs main")
+    for shape in a.shapes.split(","):
+        b, L = (int(x) for x in shape.split("x"))
+        q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(b, L, 8, 128, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+        calls = {n: (lambda ns=ns: ns.decode(q, kc, vc, None, None, lens, None, None, 1 / math.sqrt(128), False, -1, -1,
+                                             0.0, 0)) for n, ns in ops.items()}
+        replays = {n: _graphed(fn) for n, fn in calls.items()}
+        times = {n: [] for n in ops}
+        for _ in range(a.rounds):
+            for n, replay in replays.items():
+                times[n].append(_do_bench(replay, 25, 100))
+        qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            cudnn = _do_bench(_graphed(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)), 25, 100)
+        ref = calls["main"]()[0].float()
+        diffs = [(calls[n]()[0].float() - ref).abs().max().item() for n in ops if n != "main"]
+        print(f"b{b} L{L:<8}" + "".join(f"{min(t):>10.1f}" for t in times.values()) + f"{cudnn:>10.1f}  "
+              + " ".join(f"{d:.1e}" for d in diffs), flush=True)
+
+
+if __name__ == "__main__":
+    main()
