@@ -4,6 +4,7 @@
 - flash_ext::attention, the differentiable forward: a custom op whose implementation is ::fwd and whose
   autograd formula calls ::bwd with the same softmax scale, mask (causal, window) and softcap, with the
   gradient of lse (dlse) passed through exactly;
+- the fake of flash_ext::decode (flash_attn_with_kvcache's kernel), which writes the caches in place;
 - the same pair for variable-length batches, when the build has the varlen ops: fakes of
   flash_ext::fwd_varlen and ::bwd_varlen, and flash_ext::attention_varlen (::fwd_varlen, differentiated by
   ::bwd_varlen with the same offsets, used lengths, maximum lengths, scale, mask and softcap, dlse included).
@@ -72,6 +73,17 @@ def register():
     # A build made before the varlen ops (or one that left them out) still gets the dense ones.
     if has_varlen_ops():
         _register_varlen()
+    if hasattr(torch.ops.flash_ext, "decode"):
+        _register_decode()
+
+
+def _register_decode():
+    @torch.library.register_fake("flash_ext::decode")
+    def _decode_fake(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
+                     causal, window_left=-1, window_right=-1, softcap=0.0, num_splits=0):
+        b, sq, h, _ = q.shape  # the caches are written in place (the schema's Tensor(a!) / (b!)); nothing returned
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        return out, q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 def has_varlen_ops():

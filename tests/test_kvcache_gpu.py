@@ -8,7 +8,8 @@ keys, plus rounding noise), outputs poisoned first:
 - split counts 1..16 equal within rounding, and the heuristic's;
 - the varlen path for long queries;
 - the new keys land in the caches in place and nothing else there changes;
-- CUDA graph capture and replay with new values (contiguous and paged);
+- CUDA graph capture and replay with new values (contiguous and paged); torch.compile(fullgraph=True) and
+  torch.library.opcheck of the op;
 - out-of-range values raise ValueError naming them, and with the checks off run memory-safely."""
 import math
 
@@ -242,3 +243,21 @@ def test_out_of_range_values():
         torch.cuda.synchronize()
         assert out.shape == q.shape
     assert math.isfinite(torch.zeros(1, device="cuda").sum().item()), "the context survived"
+
+
+def test_torch_compile_and_opcheck():
+    _require_decode(64, torch.bfloat16)
+    q, k_cache, v_cache, k_new, v_new = _inputs(2, 1, 1, 256, 8, 2, 64, torch.bfloat16, 7)
+    lens = torch.tensor([10, 200], dtype=torch.int32, device="cuda")
+    k_twin, v_twin = k_cache.clone(), v_cache.clone()
+
+    def step(q, k_cache, v_cache, k_new, v_new, lens):
+        return flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lens, causal=True,
+                                                 return_softmax_lse=True)
+
+    out, lse = torch.compile(step, fullgraph=True)(q, k_cache, v_cache, k_new, v_new, lens)
+    out_eager, lse_eager = step(q, k_twin, v_twin, k_new, v_new, lens)
+    assert torch.equal(out, out_eager) and torch.equal(lse, lse_eager)
+    assert torch.equal(k_cache, k_twin) and torch.equal(v_cache, v_twin), "the compiled call appended in place"
+    torch.library.opcheck(torch.ops.flash_ext.decode.default,
+                          (q, k_cache, v_cache, k_new, v_new, lens, None, None, 0.125, True, -1, -1, 0.0, 0))
