@@ -982,3 +982,22 @@ def test_varlen_check_catches_attention_across_sequences(fake_build, monkeypatch
         (rec,), _ = runner.run_benchmark([shape], ["fwd"], backends.make_backends(["flash_ext"], cfg), cfg,
                                          torch.device("cpu"), timing.cpu_timer)
         assert rec.status == records.WRONG and rec.ms is None
+
+
+def test_decode_dry_run_and_table(capsys):
+    from flash_ext.bench import cli, decode
+
+    assert cli.main(["--decode", "--dry-run", "--decode-batches", "2", "--decode-seqlens", "1k"]) == 0
+    assert "decode: batches [2], cache lengths [1024], page sizes (64, 256)" in capsys.readouterr().out
+    rows = [
+        {"batch": 2, "cache_len": 1024, "backend": "flash_ext", "kv_bytes": 4e6, "graph_us": 10.0, "eager_us": 12.0,
+         "host_us": 9.0},
+        {"batch": 2, "cache_len": 1024, "backend": "SDPA cuDNN", "kv_bytes": 4e6, "graph_us": 12.0, "eager_us": 15.0,
+         "host_us": 11.0},
+        {"batch": 2, "cache_len": 1024, "backend": "SDPA efficient", "kv_bytes": 4e6, "error": "RuntimeError: no"},
+    ]
+    table = decode.format_table(rows, 4000.0, "title")
+    line = next(l for l in table.splitlines() if l.startswith("b2"))
+    assert "400" in line and "10%" in line  # 4 MB / 10 us = 400 GB/s, 10% of 4000
+    assert "1.20x" in line and "1.25x" in line  # SDPA's 12 / 10 (graph) and 15 / 12 (eager)
+    assert "n/a (RuntimeError: no)" in table
