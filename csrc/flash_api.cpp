@@ -59,7 +59,7 @@ void add_varlen(NamedTensors& list, at::Tensor const& cu_seqlens_q, at::Tensor c
   add_present(list, seqused_k, "seqused_k");
 }
 
-// The problem sizes and score options both directions' parameters carry.
+// The problem sizes and score options every direction's parameters carry (decode: seqlen_k = the cache's capacity).
 template <class Params>
 void set_sizes(Params& params, flash_api::AttentionShape const& s, double softmax_scale,
                flash_api::ScoreOptionsChecked const& options) {
@@ -224,17 +224,8 @@ std::tuple<at::Tensor, at::Tensor> mha_decode(at::Tensor const& q, at::Tensor k_
   params.page_size = int(d.page_size);
   params.pages_per_seq = int(d.pages_per_seq);
   params.cache_entries = int(d.cache_entries);
-  params.seqlen_cache = int(s.seqlen_k);
   params.seqlen_new = int(d.seqlen_new);
-  params.batch = int(s.batch);
-  params.seqlen_q = int(s.seqlen_q);
-  params.nheads = int(s.nheads);
-  params.nheads_kv = int(s.nheads_kv);
-  params.headdim = int(s.headdim);
-  params.softmax_scale = float(softmax_scale);
-  params.options.window_left = options.window_left;
-  params.options.window_right = options.window_right;
-  params.options.softcap = options.softcap;
+  set_sizes(params, s, softmax_scale, options);
   params.num_splits = int(num_splits);
   size_t const workspace_bytes = kernel.workspace_bytes(params);
   at::Tensor workspace;

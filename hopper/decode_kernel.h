@@ -73,7 +73,7 @@ struct DecodeSequence {
   int entry;      // the cache entry (contiguous caches)
 
   __device__ static DecodeSequence make(DecodeParams const& p, int batch) {
-    int const capacity = p.seqlen_cache - p.seqlen_new;  // >= 0 (checked on the host)
+    int const capacity = p.seqlen_k - p.seqlen_new;  // >= 0 (checked on the host)
     int const cached = min(max(p.cache_seqlens[batch], 0), capacity);
     int entry = batch;
     if (p.cache_batch_idx != nullptr) { entry = min(max(p.cache_batch_idx[batch], 0), p.cache_entries - 1); }
@@ -160,7 +160,7 @@ struct DecodeKernel {
     int const first_key = block * kBlockN;
     int const chunk = lane % Config::kChunks;
     bool const col_valid = chunk * 8 < p.headdim;
-    CacheBlock<Element> const cached = CacheBlock<Element>::make(p, seq, batch, kv_head, min(first_key, p.seqlen_cache - 1));
+    CacheBlock<Element> const cached = CacheBlock<Element>::make(p, seq, batch, kv_head, min(first_key, p.seqlen_k - 1));
     // Row lane / kChunks of the block, in the cache and (for the keys past cache_len) in k_new / v_new; each
     // copy steps kRowsPerCopy rows further.
     int const row0 = lane / Config::kChunks;

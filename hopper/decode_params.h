@@ -26,9 +26,10 @@ struct DecodeParams {
   int64_t page_table_batch_stride;
   int page_size, pages_per_seq;
   int cache_entries;   // entries (contiguous) or pages (paged): the bound of cache_batch_idx / page_table values
-  int seqlen_cache;    // keys a sequence can hold: seqlen_cache, or pages_per_seq * page_size
   int seqlen_new;
-  int batch, seqlen_q, nheads, nheads_kv, headdim;
+  // Sizes as the attention kernels' parameters hold them (flash_api.cpp's set_sizes); seqlen_k is the keys a
+  // sequence can hold: seqlen_cache, or pages_per_seq * page_size.
+  int batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim;
   float softmax_scale;
   ScoreOptions options;  // causal folded in as the window (-1, 0)
   int num_splits;        // 0: the launcher's heuristic; else the key range of a sequence is split this many ways

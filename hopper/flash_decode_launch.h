@@ -69,7 +69,7 @@ struct DecodeLauncher {
     int const warps = eight ? Config::kMaxWarps : Config::kWarps;
     if (p.num_splits > 0) return {warps, std::min(p.num_splits, kMaxDecodeSplits)};
     int64_t const slots = eight ? sms : sms * ctas_per_sm(device);
-    int const key_blocks = (p.seqlen_cache + Config::kBlockN - 1) / Config::kBlockN;
+    int const key_blocks = (p.seqlen_k + Config::kBlockN - 1) / Config::kBlockN;
     int64_t const useful = std::max(key_blocks / (kMinBlocksPerWarp * warps), 1);
     int64_t const fill = std::max<int64_t>(slots / ctas, 1);
     return {warps, int(std::min<int64_t>({fill, useful, int64_t(kMaxHeuristicSplits)}))};

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext  # noqa: F401  (loads the main build's ops)
-from flash_ext.bench.decode import _do_bench, _graphed
+from flash_ext.bench.decode import _do_bench, _graphed, decode_inputs
 
 
 def main():
@@ -29,10 +29,7 @@ def main():
     print(f"{'shape':<12}" + "".join(f"{n:>10}" for n in ops) + f"{'cuDNN':>10}  max |diff| vs main")
     for shape in a.shapes.split(","):
         b, L = (int(x) for x in shape.split("x"))
-        q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-        kc = torch.randn(b, L, 8, 128, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+        q, kc, vc, lens = decode_inputs(b, 1, L)
         calls = {n: (lambda ns=ns: ns.decode(q, kc, vc, None, None, lens, None, None, 1 / math.sqrt(128), False, -1, -1,
                                              0.0, 0)) for n, ns in ops.items()}
         replays = {n: _graphed(fn) for n, fn in calls.items()}

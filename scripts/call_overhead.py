@@ -8,25 +8,17 @@
 """
 import argparse
 import contextlib
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext
+from flash_ext.bench.timing import host_us_per_call
 
 
-def host_us(fn, calls=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+def host_us(fn):
+    return host_us_per_call(fn, calls=2000, warmup=50)
 
 
 def gpu_us(fn):

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flash_ext
-from flash_ext.bench.decode import _do_bench, _graphed
+from flash_ext.bench.decode import _do_bench, _graphed, decode_inputs
 
 
 def main():
@@ -19,10 +19,7 @@ def main():
     a = p.parse_args()
     for shape in a.shapes.split(","):
         b, L = (int(x) for x in shape.split("x"))
-        q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-        kc = torch.randn(b, L, 8, 128, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+        q, kc, vc, lens = decode_inputs(b, 1, L)
         kv_mb = 2 * kc.numel() * 2 / 1e6
         line = []
         for s in (int(x) for x in a.splits.split(",")):

@@ -12,10 +12,11 @@ check_values=False (a decoding loop's setting: the value checks read cache_seqle
 K+V GB/s = the cache's K and V bytes / graph time; "% copy" = that over the D2D copy's read+write bandwidth.
 """
 import contextlib
-import time
 
 import torch
 import torch.nn.functional as F
+
+from .timing import host_us_per_call
 
 DEFAULT_BATCHES = (1, 8, 64)
 DEFAULT_CACHE_LENS = (512, 4096, 32768, 131072)
@@ -42,16 +43,12 @@ def _graphed(fn):
     return graph.replay
 
 
-def _host_us(fn, calls=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+def decode_inputs(batch, seqlen_q, cache_len, nheads=32, nheads_kv=8, headdim=128, dtype=torch.bfloat16):
+    """q, a full contiguous cache and its lengths, random (never zeros)."""
+    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=dtype)
+    k_cache = torch.randn(batch, cache_len, nheads_kv, headdim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    return q, k_cache, v_cache, torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
 
 
 def _candidates(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype, page_sizes):
@@ -59,10 +56,7 @@ def _candidates(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype, p
     import flash_ext
     from torch.nn.attention import SDPBackend
 
-    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=dtype)
-    k_cache = torch.randn(batch, cache_len, nheads_kv, headdim, device="cuda", dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
-    lens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    q, k_cache, v_cache, lens = decode_inputs(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype)
     causal = seqlen_q > 1
     out = [("flash_ext", lambda: flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=causal,
                                                                    check_values=False), None)]
@@ -116,7 +110,7 @@ def run_decode(batches, cache_lens, seqlen_q, nheads, nheads_kv, headdim, dtype,
                         fn()
                         torch.cuda.synchronize()
                         row["eager_us"] = _do_bench(fn, warmup_ms, rep_ms)
-                        row["host_us"] = _host_us(fn)
+                        row["host_us"] = host_us_per_call(fn)
                         replay = _graphed(fn)
                         row["graph_us"] = _do_bench(replay, warmup_ms, rep_ms)
                 except Exception as e:  # a backend that does not take this shape

@@ -34,3 +34,17 @@ def cuda_peak_mib(fn, device):
     peak = torch.cuda.max_memory_allocated(device)
     del res
     return max(0, peak - base) / 2**20
+
+
+def host_us_per_call(fn, calls=300, warmup=20):
+    """Host time of one call: a tight loop of calls without synchronisation (the GPU keeps up, so the loop is
+    host-bound), wall time / calls, in us."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
