@@ -105,6 +105,33 @@ typename flash::KernelRegistry<Params>::Entry const& find_kernel(char const* dir
   return *entry;
 }
 
+// The forward's parameters shared by the dense and varlen ops.
+flash::FwdParams fwd_params(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor& out, at::Tensor& lse,
+                            flash_api::AttentionShape const& s, double softmax_scale,
+                            flash_api::ScoreOptionsChecked const& options) {
+  flash::FwdParams params{};
+  params.q = strided(q);
+  params.k = strided(k);
+  params.v = strided(v);
+  params.o = strided(out);
+  params.lse = lse.data_ptr<float>();
+  set_sizes(params, s, softmax_scale, options);
+  params.pingpong = env_override("FLASH_EXT_PINGPONG");
+  params.persistent = env_override("FLASH_EXT_PERSISTENT");
+  return params;
+}
+
+// The scratch memory a registry entry asks for (its workspace_bytes), from PyTorch's caching allocator, set
+// into params; the returned tensor keeps it alive until the launch is queued.
+template <class Entry, class Params>
+at::Tensor attach_workspace(Entry const& kernel, Params& params, at::Tensor const& like) {
+  size_t const bytes = kernel.workspace_bytes != nullptr ? kernel.workspace_bytes(params) : 0;
+  if (bytes == 0) return {};
+  at::Tensor workspace = at::empty({int64_t(bytes)}, like.options().dtype(at::kByte));
+  params.workspace = workspace.data_ptr();
+  return workspace;
+}
+
 // The backward's parameters shared by the dense and varlen ops (lse_c / dlse_c: contiguous copies that outlive
 // the launch).
 flash::BwdParams bwd_params(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
@@ -158,25 +185,11 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
     return {out, lse};
   }
 
-  flash::FwdParams params{};
-  params.q = strided(q);
-  params.k = strided(k);
-  params.v = strided(v);
-  params.o = strided(out);
-  params.lse = lse.data_ptr<float>();
+  flash::FwdParams params = fwd_params(q, k, v, out, lse, s, softmax_scale, options);
   params.q_descale = descale_tensor(q_descale);
   params.k_descale = descale_tensor(k_descale);
   params.v_descale = descale_tensor(v_descale);
-  set_sizes(params, s, softmax_scale, options);
-  params.pingpong = env_override("FLASH_EXT_PINGPONG");
-  params.persistent = env_override("FLASH_EXT_PERSISTENT");
-  size_t const workspace_bytes = kernel.workspace_bytes != nullptr ? kernel.workspace_bytes(params) : 0;
-  at::Tensor workspace;
-  if (workspace_bytes > 0) {
-    workspace = at::empty({int64_t(workspace_bytes)}, q.options().dtype(at::kByte));
-    params.workspace = workspace.data_ptr();
-  }
-
+  at::Tensor const workspace = attach_workspace(kernel, params, q);
   kernel.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {out, lse};
 }
@@ -227,12 +240,7 @@ std::tuple<at::Tensor, at::Tensor> mha_decode(at::Tensor const& q, at::Tensor k_
   params.seqlen_new = int(d.seqlen_new);
   set_sizes(params, s, softmax_scale, options);
   params.num_splits = int(num_splits);
-  size_t const workspace_bytes = kernel.workspace_bytes(params);
-  at::Tensor workspace;
-  if (workspace_bytes > 0) {
-    workspace = at::empty({int64_t(workspace_bytes)}, q.options().dtype(at::kByte));
-    params.workspace = workspace.data_ptr();
-  }
+  at::Tensor const workspace = attach_workspace(kernel, params, q);
   kernel.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {out, lse};
 }
@@ -275,8 +283,7 @@ void mha_bwd_out(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& 
 
   flash::BwdParams params = bwd_params(dout, q, k, v, out, lse_c, dlse_c, dq, dk, dv, s, softmax_scale, options, deterministic);
   params.dq_scratch_bytes = dq.is_contiguous() ? int64_t(dq.nbytes()) : 0;
-  at::Tensor const workspace = at::empty({int64_t(kernel.workspace_bytes(params))}, q.options().dtype(at::kByte));
-  params.workspace = workspace.data_ptr();
+  at::Tensor const workspace = attach_workspace(kernel, params, q);
   kernel.launch(params, c10::cuda::getCurrentCUDAStream(device.index()).stream());
 }
 
@@ -324,18 +331,9 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_varlen(at::Tensor const& q, at::Tenso
     if (vs.is_empty() || vs.has_no_keys()) { return {out, lse}; }
   }
 
-  flash::FwdParams params{};
-  params.q = strided(q);
-  params.k = strided(k);
-  params.v = strided(v);
-  params.o = strided(out);
-  params.lse = lse.data_ptr<float>();
-  set_sizes(params, s, softmax_scale, options);
+  flash::FwdParams params = fwd_params(q, k, v, out, lse, s, softmax_scale, options);
   params.varlen = varlen_args(vs, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
-  params.pingpong = env_override("FLASH_EXT_PINGPONG");
-  params.persistent = env_override("FLASH_EXT_PERSISTENT");
-  at::Tensor const workspace = at::empty({int64_t(kernel.workspace_bytes(params))}, q.options().dtype(at::kByte));
-  params.workspace = workspace.data_ptr();
+  at::Tensor const workspace = attach_workspace(kernel, params, q);
   kernel.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {out, lse};
 }
@@ -382,8 +380,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_varlen(
   flash::BwdParams params = bwd_params(dout, q, k, v, out, lse_c, dlse_c, dq, dk, dv, s, softmax_scale, options, deterministic);
   params.varlen = varlen_args(vs, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
   params.dq_scratch_bytes = int64_t(dq.nbytes());  // contiguous, allocated here
-  at::Tensor const workspace = at::empty({int64_t(kernel.workspace_bytes(params))}, q.options().dtype(at::kByte));
-  params.workspace = workspace.data_ptr();
+  at::Tensor const workspace = attach_workspace(kernel, params, q);
   kernel.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {dq, dk, dv};
 }
