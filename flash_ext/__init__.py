@@ -11,6 +11,7 @@
     q8, k8, v8, qd, kd, vd = flash_ext.fp8.quantize_qkv(q, k, v)  # FP8 forward: e4m3 in, bf16 out
     out, lse = flash_ext.forward(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
     out, lse = flash_ext.combine(out_parts, lse_parts)  # attentions over disjoint parts of the keys, merged
+    out = flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lens)  # decoding
 
 q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), fp16 or bf16 on an
 sm_90 GPU (flash_attn_varlen_func: the sequences packed, q (total_q, nheads, headdim), k, v (total_k,
