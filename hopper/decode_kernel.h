@@ -44,10 +44,10 @@ struct DecodeConfig {
   static constexpr int kRows = 16;    // query rows of a CTA: one MMA tile
   static constexpr int kBlockN = 16;  // keys per warp step: one page of the smallest size
   // Stages per warp: ~32 KB of K/V in flight per warp at d <= 128, so that 2 CTAs per SM keep HBM busy.
-  static constexpr int kStages = FLASH_EXT_DECODE_STAGES > 0 ? FLASH_EXT_DECODE_STAGES
-                                 : kHeadDim <= 64                ? 4
-                                 : kHeadDim <= 128               ? 3
-                                                                 : 2;
+  static constexpr int kStages = FLASH_EXT_DECODE_STAGES > 0 ? FLASH_EXT_DECODE_STAGES : kHeadDim <= 64 ? 4 : 3;
+  // Q as MMA fragments in registers (kHeadDim / 4 of them), or above d128, where they would spill beside O's,
+  // in shared memory, read by ldmatrix at every block.
+  static constexpr bool kQInShared = kHeadDim > 128;
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per K/V row
   static constexpr int kRowBytes = kHeadDim * 2;
   static constexpr int kTileBytes = kBlockN * kRowBytes;  // K or V of one step
@@ -56,8 +56,9 @@ struct DecodeConfig {
   static constexpr int kCopiesPerTile = kBlockN / kRowsPerCopy;
   // The warps' normalised O and LSE for the final merge, fp32, rows padded by 4 floats (fewer bank conflicts).
   static constexpr int kMergeRowFloats = kHeadDim + 4;
+  static constexpr int kQBytes = kQInShared ? kRows * kRowBytes : 0;  // after the warps' pipelines
   static constexpr int shared_bytes(int warps) {
-    int const pipeline = warps * kStages * kStageBytes, merge = warps * kRows * (kMergeRowFloats + 1) * 4;
+    int const pipeline = warps * kStages * kStageBytes + kQBytes, merge = warps * kRows * (kMergeRowFloats + 1) * 4;
     return pipeline > merge ? pipeline : merge;
   }
   static constexpr int kSharedBytes = shared_bytes(kWarps);
@@ -213,6 +214,21 @@ struct DecodeKernel {
     }
   }
 
+  // Q's 16 rows into shared memory (kQInShared), swizzled as K's tiles; rows past the call's rows and columns
+  // past the head dim are zeros.
+  __device__ static void store_q_shared(Params const& p, RowTile const& t, int batch, int kv_head, char* q_smem) {
+    Element const* const base = static_cast<Element const*>(p.q.ptr) + batch * p.q.batch_stride;
+    for (int i = threadIdx.x; i < Config::kRows * Config::kChunks; i += blockDim.x) {
+      int const row = i / Config::kChunks, chunk = i % Config::kChunks, r = t.first_row + row;
+      uint4 value = make_uint4(0u, 0u, 0u, 0u);
+      if (r < t.rows && chunk * 8 < p.headdim) {
+        value = *reinterpret_cast<uint4 const*>(base + (r / t.group) * p.q.row_stride +
+                                                (kv_head * t.group + r % t.group) * p.q.head_stride + chunk * 8);
+      }
+      *reinterpret_cast<uint4*>(q_smem + row * Config::kRowBytes + ((chunk ^ (row % 8)) * 16)) = value;
+    }
+  }
+
   static __device__ void run(Params const& p, char* smem) {
     int const warp_idx = threadIdx.x / 32, lane = threadIdx.x % 32;
     int const split = blockIdx.x;
@@ -243,8 +259,17 @@ struct DecodeKernel {
       warp::cp_async_commit();
     }
 
-    uint32_t q[kHeadDim / 16][4];
-    load_q(p, tile, batch, kv_head, q);
+    uint32_t q[Config::kQInShared ? 1 : kHeadDim / 16][4];
+    char* const q_smem = smem + warps * Config::kStages * Config::kStageBytes;
+    if constexpr (Config::kQInShared) {
+      store_q_shared(p, tile, batch, kv_head, q_smem);
+      __syncthreads();
+    } else {
+      load_q(p, tile, batch, kv_head, q);
+    }
+    // Lane part of Q's ldmatrix address (A operand: matrices rows 0-7 / 8-15 x columns 0-7 / 8-15).
+    int const q_row = lane % 8 + ((lane / 8) % 2) * 8, q_chunk_hi = lane / 16;
+    uint32_t const q_tile = warp::smem_address(q_smem);
     // Per thread: rows g and g + 8 of the tile; the keys each may see (mask.h's band, clamped to the sequence).
     int visible_lo[2], visible_hi[2];
     CUTLASS_PRAGMA_UNROLL
@@ -277,8 +302,15 @@ struct DecodeKernel {
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
         uint32_t b[4];
         warp::ldmatrix_x4(b, k_tile + k_row * Config::kRowBytes + (((2 * kk + k_chunk_hi) ^ (k_row % 8)) * 16));
-        warp::mma_16816<Element>(acc_s(0), acc_s(1), acc_s(2), acc_s(3), q[kk], b[0], b[1]);
-        warp::mma_16816<Element>(acc_s(4), acc_s(5), acc_s(6), acc_s(7), q[kk], b[2], b[3]);
+        uint32_t a_frag[4];
+        if constexpr (Config::kQInShared) {
+          warp::ldmatrix_x4(a_frag, q_tile + q_row * Config::kRowBytes + (((2 * kk + q_chunk_hi) ^ (q_row % 8)) * 16));
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < 4; ++i) { a_frag[i] = q[kk][i]; }
+        }
+        warp::mma_16816<Element>(acc_s(0), acc_s(1), acc_s(2), acc_s(3), a_frag, b[0], b[1]);
+        warp::mma_16816<Element>(acc_s(4), acc_s(5), acc_s(6), acc_s(7), a_frag, b[2], b[3]);
       }
       if (p.softcap_pre_scale > 0.f) { apply_softcap(acc_s, p.softcap_pre_scale); }
       int const first_key = my_block(i) * kBlockN;
