@@ -61,8 +61,9 @@ def _cache_seqlens(cache_seqlens, batch, capacity, seqlen_new, device):
     return cache_seqlens
 
 
-def _check_values(lens, seqlen_new, capacity, page_table, page_size, num_pages, cache_batch_idx, entries):
-    """The values the kernels would clamp, read in one device-to-host copy (eager mode only)."""
+def _check_values(lens, seqlen_new, capacity, page_table, page_size, cache_batch_idx, entries):
+    """The values the kernels would clamp, read in one device-to-host copy (eager mode only). `entries`: the
+    caches' first dim (pages of a paged cache, entries of a contiguous one)."""
     parts = [lens.reshape(-1)]
     if page_table is not None:
         parts.append(page_table.reshape(-1))
@@ -83,9 +84,9 @@ def _check_values(lens, seqlen_new, capacity, page_table, page_size, num_pages, 
             used = -(-(n + seqlen_new) // page_size)  # the slots this sequence's keys occupy
             for slot in range(used):
                 page = values[at + b * pages_per_seq + slot]
-                if not 0 <= page < num_pages:
+                if not 0 <= page < entries:
                     raise ValueError(f"flash_attn_with_kvcache: page_table[{b}, {slot}] = {page} is not a page of the "
-                                     f"cache (0..{num_pages - 1}); sequence {b} uses slots 0..{used - 1}")
+                                     f"cache (0..{entries - 1}); sequence {b} uses slots 0..{used - 1}")
         at += batch * pages_per_seq
     if cache_batch_idx is not None:
         for b in range(batch):
@@ -184,8 +185,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if paged and (page_size == 0 or page_size % 16):
             raise ValueError(f"flash_attn_with_kvcache: a paged cache's page size (k_cache.shape[1]) must be a "
                              f"positive multiple of 16, got {page_size}")
-        _check_values(lens, seqlen_new, capacity, page_table, page_size, k_cache.shape[0], cache_batch_idx,
-                      k_cache.shape[0])
+        _check_values(lens, seqlen_new, capacity, page_table, page_size, cache_batch_idx, k_cache.shape[0])
 
     # Few query rows per KV head, or a cache the varlen view cannot describe: the decode kernel, whose op
     # checks every tensor (csrc/arg_checks.cpp: check_decode). Else the varlen attention kernels.
