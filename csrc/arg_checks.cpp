@@ -296,9 +296,9 @@ DecodeShape check_decode(at::Tensor const& q, at::Tensor const& k_cache, at::Ten
                          at::Tensor const& cache_seqlens, std::optional<at::Tensor> const& cache_batch_idx,
                          std::optional<at::Tensor> const& page_table, double softmax_scale, int64_t num_splits,
                          char const* op) {
-  check_rank_and_dtype(q, "q", op, /*allow_fp8=*/false);
-  check_rank_and_dtype(k_cache, "k_cache", op, /*allow_fp8=*/false);
-  check_rank_and_dtype(v_cache, "v_cache", op, /*allow_fp8=*/false);
+  check_rank_and_dtype(q, "q", op, /*allow_fp8=*/true);
+  check_rank_and_dtype(k_cache, "k_cache", op, /*allow_fp8=*/true);
+  check_rank_and_dtype(v_cache, "v_cache", op, /*allow_fp8=*/true);
   TORCH_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
                    "k_cache and v_cache must have q's dtype ", torch_name(q.scalar_type()), ", got ",
                    torch_name(k_cache.scalar_type()), " and ", torch_name(v_cache.scalar_type()));
@@ -318,6 +318,8 @@ DecodeShape check_decode(at::Tensor const& q, at::Tensor const& k_cache, at::Ten
   int const max_headdim = kDecodeHeadDims[sizeof(kDecodeHeadDims) / sizeof(int) - 1];
   TORCH_CHECK_VALUE(s.headdim % 8 == 0 && s.headdim >= 8 && s.headdim <= max_headdim, "head dim ", s.headdim,
                     " is not supported: it must be a multiple of 8 in [8, ", max_headdim, "]");
+  TORCH_CHECK_VALUE(q.scalar_type() != at::kFloat8_e4m3fn || s.headdim % 16 == 0, "head dim ", s.headdim,
+                    " is not supported for FP8 (torch.float8_e4m3fn) caches: it must be a multiple of 16");
   d.cache_entries = k_cache.size(0);
   if (page_table.has_value()) {
     TORCH_CHECK_VALUE(!cache_batch_idx.has_value(), "cache_batch_idx selects entries of a contiguous cache; with "

@@ -81,7 +81,8 @@ int64_t tma_stride(at::Tensor const& t, int dim);
 // (entries, seqlen_cache, nheads_kv, headdim), or with page_table (batch, pages_per_seq) int32 paged,
 // (num_pages, page_size, nheads_kv, headdim), page_size a multiple of 16; k_new, v_new (batch, seqlen_new,
 // nheads_kv, headdim) or both None; cache_seqlens int32 (batch,); cache_batch_idx int32 (batch,) or None
-// (contiguous caches only). fp16 / bf16. As for varlen calls, the values of the index tensors are not read
+// (contiguous caches only). fp16 / bf16, or FP8 (e4m3) q, caches and new keys alike (head dims multiples of
+// 16; descales checked by the caller with check_descale). As for varlen calls, the values of the index tensors are not read
 // here (the kernel clamps them: hopper/decode_kernel.h).
 struct DecodeShape {
   AttentionShape shape;  // seqlen_k: the keys a sequence can hold (seqlen_cache, or pages_per_seq * page_size)

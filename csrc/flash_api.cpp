@@ -51,6 +51,17 @@ void add_present(NamedTensors& list, std::optional<at::Tensor> const& t, char co
   if (t.has_value()) { list.push_back({&*t, name}); }
 }
 // The tensors of a varlen call's offsets and used lengths.
+// The FP8 descale factors of a call (None = 1), checked against q's dtype and the shape, listed for the
+// device check.
+void add_descales(NamedTensors& list, std::optional<at::Tensor> const& q_descale, std::optional<at::Tensor> const& k_descale,
+                  std::optional<at::Tensor> const& v_descale, flash_api::AttentionShape const& s, at::ScalarType dtype) {
+  for (auto const& [t, name] : {std::pair{&q_descale, "q_descale"}, {&k_descale, "k_descale"}, {&v_descale, "v_descale"}}) {
+    if (t->has_value()) {
+      flash_api::check_descale(**t, name, s, dtype);
+      list.push_back({&**t, name});
+    }
+  }
+}
 void add_varlen(NamedTensors& list, at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
                 std::optional<at::Tensor> const& seqused_q, std::optional<at::Tensor> const& seqused_k) {
   list.push_back({&cu_seqlens_q, "cu_seqlens_q"});
@@ -164,13 +175,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
   char const* op = "flash_ext.forward";
   auto const s = flash_api::check_qkv(q, k, v, softmax_scale, op, /*allow_fp8=*/true);
   auto const options = flash_api::check_score_options(causal, window_left, window_right, softcap, s);
-  std::vector<std::pair<at::Tensor const*, char const*>> on_gpu{{&q, "q"}, {&k, "k"}, {&v, "v"}};
-  for (auto const& [t, name] : {std::pair{&q_descale, "q_descale"}, {&k_descale, "k_descale"}, {&v_descale, "v_descale"}}) {
-    if (t->has_value()) {
-      flash_api::check_descale(**t, name, s, q.scalar_type());
-      on_gpu.push_back({&**t, name});
-    }
-  }
+  NamedTensors on_gpu{{&q, "q"}, {&k, "k"}, {&v, "v"}};
+  add_descales(on_gpu, q_descale, k_descale, v_descale, s, q.scalar_type());
   flash_api::check_on_gpu(on_gpu, op);
   auto const& kernel = find_kernel<flash::FwdParams>("forward", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kFwd),
                                                      q.scalar_type(), causal, options.banded);
@@ -195,12 +201,16 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
 }
 
 // flash_attn_with_kvcache: attention of q over a KV cache after appending k_new / v_new to it in place
-// (hopper/decode_kernel.h; flash_ext/kvcache.py picks this op or the varlen kernels).
+// (hopper/decode_kernel.h; flash_ext/kvcache.py picks this op or the varlen kernels). FP8 (e4m3) q and
+// caches give a bf16 out, with descales (None = 1) as for the forward.
 std::tuple<at::Tensor, at::Tensor> mha_decode(at::Tensor const& q, at::Tensor k_cache, at::Tensor v_cache,
                                               std::optional<at::Tensor> const& k_new, std::optional<at::Tensor> const& v_new,
                                               at::Tensor const& cache_seqlens, std::optional<at::Tensor> const& cache_batch_idx,
                                               std::optional<at::Tensor> const& page_table, double softmax_scale, bool causal,
-                                              int64_t window_left, int64_t window_right, double softcap, int64_t num_splits) {
+                                              int64_t window_left, int64_t window_right, double softcap, int64_t num_splits,
+                                              std::optional<at::Tensor> const& q_descale,
+                                              std::optional<at::Tensor> const& k_descale,
+                                              std::optional<at::Tensor> const& v_descale) {
   char const* op = "flash_ext.flash_attn_with_kvcache";
   auto const d = flash_api::check_decode(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, page_table,
                                          softmax_scale, num_splits, op);
@@ -211,12 +221,14 @@ std::tuple<at::Tensor, at::Tensor> mha_decode(at::Tensor const& q, at::Tensor k_
   add_present(on_gpu, v_new, "v");
   add_present(on_gpu, cache_batch_idx, "cache_batch_idx");
   add_present(on_gpu, page_table, "page_table");
+  add_descales(on_gpu, q_descale, k_descale, v_descale, s, q.scalar_type());
   flash_api::check_on_gpu(on_gpu, op);
   auto const& kernel = find_kernel<flash::DecodeParams>("decode", flash_api::kernel_headdim(s.headdim, flash_api::Direction::kDecode),
                                                         q.scalar_type(), false, false);
 
   c10::cuda::CUDAGuard device_guard(q.device());
-  at::Tensor out = at::empty({s.batch, s.seqlen_q, s.nheads, s.headdim}, q.options());
+  bool const fp8 = q.scalar_type() == at::kFloat8_e4m3fn;
+  at::Tensor out = at::empty({s.batch, s.seqlen_q, s.nheads, s.headdim}, q.options().dtype(fp8 ? at::kBFloat16 : q.scalar_type()));
   at::Tensor lse = at::empty({s.batch, s.nheads, s.seqlen_q}, q.options().dtype(at::kFloat));
   if (s.batch == 0 || (s.seqlen_q == 0 && d.seqlen_new == 0)) { return {out, lse}; }
 
@@ -226,6 +238,9 @@ std::tuple<at::Tensor, at::Tensor> mha_decode(at::Tensor const& q, at::Tensor k_
   params.lse = lse.data_ptr<float>();
   params.k_cache = strided(k_cache);
   params.v_cache = strided(v_cache);
+  params.q_descale = descale_tensor(q_descale);
+  params.k_descale = descale_tensor(k_descale);
+  params.v_descale = descale_tensor(v_descale);
   if (k_new.has_value() && d.seqlen_new > 0) {
     params.k_new = strided(*k_new);
     params.v_new = strided(*v_new);
@@ -449,7 +464,8 @@ FLASH_EXT_LIBRARY(FLASH_EXT_OPS_NAMESPACE, m) {
   m.def(
       "decode(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_new, Tensor? v_new, Tensor cache_seqlens, "
       "Tensor? cache_batch_idx, Tensor? page_table, float softmax_scale, bool causal, int window_left=-1, "
-      "int window_right=-1, float softcap=0.0, int num_splits=0) -> (Tensor out, Tensor lse)");
+      "int window_right=-1, float softcap=0.0, int num_splits=0, Tensor? q_descale=None, Tensor? k_descale=None, "
+      "Tensor? v_descale=None) -> (Tensor out, Tensor lse)");
   m.def("build_info() -> str", &build_info);
 }
 

@@ -9,6 +9,9 @@ Each tensor is scaled per (batch, KV head) so that its largest magnitude maps to
 group of query heads that shares a KV head shares one factor (forward's q_descale is per KV head, as in
 FlashAttention-3).
 
+An FP8 KV cache (flash_attn_with_kvcache): quantize the cache once (quantize(k_cache, nheads_kv)), then each
+step's new keys and values with the cache's descales (quantize_with) and q with its own (quantize).
+
 hadamard=True first rotates q and k by the same orthonormal Hadamard matrix along the head dim. QK^T is
 unchanged (H H^T = I) while an outlier channel is spread over all channels, so the per-head scale is set by
 typical values rather than by the outlier: the "incoherent processing" of the FlashAttention-3 paper. Head
@@ -80,6 +83,21 @@ def quantize(x, nheads_kv):
     scale = E4M3_MAX / amax
     stored = (grouped * scale[:, None, :, None, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return stored.reshape(x.shape).contiguous(), (amax / E4M3_MAX).float().contiguous()
+
+
+def quantize_with(x, descale):
+    """x (batch, seqlen, nheads, headdim) stored in e4m3 with a given float32 descale (batch, nheads_kv), values
+    beyond e4m3's range clamped: new keys and values for an FP8 KV cache, which keeps the descales it was
+    quantized with (flash_attn_with_kvcache's k_descale, v_descale)."""
+    batch, seqlen, nheads, headdim = x.shape
+    if descale.dim() != 2 or descale.shape[0] != batch or descale.shape[1] == 0 or nheads % descale.shape[1]:
+        raise ValueError(f"descale must be (batch={batch}, nheads_kv) with nheads_kv dividing {nheads}, got shape "
+                         f"{tuple(descale.shape)}")
+    nheads_kv = descale.shape[1]
+    grouped = x.float().reshape(batch, seqlen, nheads_kv, nheads // nheads_kv, headdim)
+    scale = 1.0 / descale.float()
+    stored = (grouped * scale[:, None, :, None, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return stored.reshape(x.shape).contiguous()
 
 
 def quantize_qkv(q, k, v, hadamard=False):

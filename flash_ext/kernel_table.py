@@ -20,8 +20,8 @@ CAUSAL = (False, True)
 # The kernel head dims of each direction (the backward runs head dims 129-256, d192 included, on its d256
 # kernel: its d192 tiles would need three consumer warpgroups, which did not pay for a kernel of its own).
 HEADDIMS_BY_DIRECTION = {"fwd": KERNEL_HEADDIMS, "bwd": (64, 96, 128, 256), "decode": (64, 128, 256)}
-# The dtypes of each direction: FP8 (e4m3 in, bf16 out) is forward-only.
-DTYPES_BY_DIRECTION = {"fwd": ("fp16", "bf16", "e4m3"), "bwd": ("fp16", "bf16"), "decode": ("fp16", "bf16")}
+# The dtypes of each direction: FP8 (e4m3 in, bf16 out) has no backward.
+DTYPES_BY_DIRECTION = {"fwd": ("fp16", "bf16", "e4m3"), "bwd": ("fp16", "bf16"), "decode": ("fp16", "bf16", "e4m3")}
 # The mask axis of each direction: the attention kernels compile causal (banded) and non-causal versions;
 # the decode kernel (flash_attn_with_kvcache, hopper/decode_kernel.h) takes every mask at run time, so it
 # has one entry per head dim and dtype, registered as non-causal.

@@ -9,7 +9,8 @@ Two kernels serve it:
 - the decode kernel (hopper/decode_kernel.h, torch.ops.flash_ext.decode) for few query rows per KV head
   (seqlen_q * nheads / nheads_kv <= 64: decoding, speculative steps), any cache layout: contiguous, with
   cache_batch_idx, or paged. It packs a KV head's query heads into one tile and splits the keys over CTAs
-  (num_splits; 0 = chosen from the shapes), and appends the new keys in the same launch;
+  (num_splits; 0 = chosen from the shapes), and appends the new keys in the same launch. It alone takes FP8
+  (e4m3) caches, at any number of query rows;
 - the varlen attention kernels for longer queries over a contiguous cache (prefill into a cache): the
   cache's entries become a varlen call's sequences, and the new keys are written first by index_copy_.
 Both take no host synchronisation, so they run under CUDA graph capture and torch.compile.
@@ -35,9 +36,6 @@ _NOT_YET = {
     "cu_seqlens_k_new": None,
     "max_seqlen_q": None,
     "qv": None,
-    "q_descale": None,
-    "k_descale": None,
-    "v_descale": None,
 }
 
 
@@ -98,11 +96,12 @@ def _check_values(lens, seqlen_new, capacity, page_table, page_size, cache_batch
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
                             page_table=None, softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0,
                             num_splits=0, pack_gqa=None, sm_margin=0, return_softmax_lse=False, check_values=None,
-                            **not_yet):
+                            q_descale=None, k_descale=None, v_descale=None, **not_yet):
     """Attention of q over a KV cache, after appending k and v to it in place (FA3's flash_attn_with_kvcache).
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim), fp16 or bf16 on an sm_90 GPU; headdim a multiple of 8 up to 256.
+        q: (batch, seqlen_q, nheads, headdim), fp16, bf16 or FP8 (torch.float8_e4m3fn) on an sm_90 GPU; headdim
+            a multiple of 8 up to 256 (of 16 for FP8).
         k_cache, v_cache: q's dtype and device, nheads a multiple of nheads_kv, their last dim contiguous, either
             contiguous caches (entries, seqlen_cache, nheads_kv, headdim), or with page_table paged caches
             (num_pages, page_size, nheads_kv, headdim), page_size a multiple of 16.
@@ -125,8 +124,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             capture; False: never, for eager decoding loops, where that device-to-host copy would wait for
             the GPU on every step; True: always, where it can). Unchecked values are clamped on the device:
             memory-safe, but the results of out-of-range values are not defined.
+        q_descale, k_descale, v_descale: FP8 only: float32 (batch, nheads_kv) factors (None = 1); a stored value x
+            of q stands for x * q_descale[b, kv_head], of the caches and k, v likewise (flash_ext.fp8).
 
-    Returns out (batch, seqlen_q, nheads, headdim) in q's dtype, or (out, lse). A sequence without keys gets
+    Returns out (batch, seqlen_q, nheads, headdim) in q's dtype (bf16 for FP8), or (out, lse). A sequence without keys gets
     out = 0 and lse = -inf. Forward only (no autograd).
     """
     if not_yet:
@@ -187,13 +188,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                              f"positive multiple of 16, got {page_size}")
         _check_values(lens, seqlen_new, capacity, page_table, page_size, cache_batch_idx, k_cache.shape[0])
 
-    # Few query rows per KV head, or a cache the varlen view cannot describe: the decode kernel, whose op
-    # checks every tensor (csrc/arg_checks.cpp: check_decode). Else the varlen attention kernels.
-    if paged or cache_batch_idx is not None or seqlen_q * nheads <= DECODE_MAX_ROWS * max(nheads_kv, 1) \
+    # Few query rows per KV head, FP8, or a cache the varlen view cannot describe: the decode kernel, whose op
+    # checks every tensor (csrc/arg_checks.cpp: check_decode; descales given with 16-bit tensors raise there).
+    # Else the varlen attention kernels.
+    fp8 = q.dtype == torch.float8_e4m3fn or q_descale is not None or k_descale is not None or v_descale is not None
+    if paged or cache_batch_idx is not None or fp8 or seqlen_q * nheads <= DECODE_MAX_ROWS * max(nheads_kv, 1) \
             or not _entries_follow(k_cache, v_cache, batch):
         _require_extension()
         out, lse = torch.ops.flash_ext.decode(q, k_cache, v_cache, k, v, lens, cache_batch_idx, page_table, scale, causal,
-                                              window[0], window[1], softcap, num_splits)
+                                              window[0], window[1], softcap, num_splits, q_descale, k_descale, v_descale)
         return (out, lse) if return_softmax_lse else out
     _check_for_varlen_path(q, k_cache, v_cache, k, v, nheads_kv)
     return _varlen_path(q, k_cache, v_cache, k, v, lens, seqlen_new, scale, causal, window, softcap,

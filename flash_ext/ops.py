@@ -80,9 +80,11 @@ def register():
 def _register_decode():
     @torch.library.register_fake("flash_ext::decode")
     def _decode_fake(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                     causal, window_left=-1, window_right=-1, softcap=0.0, num_splits=0):
+                     causal, window_left=-1, window_right=-1, softcap=0.0, num_splits=0, q_descale=None, k_descale=None,
+                     v_descale=None):
         b, sq, h, _ = q.shape  # the caches are written in place (the schema's Tensor(a!) / (b!)); nothing returned
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype  # FP8 caches give bf16
+        out = torch.empty_like(q, dtype=dtype, memory_format=torch.contiguous_format)
         return out, q.new_empty((b, h, sq), dtype=torch.float32)
 
 

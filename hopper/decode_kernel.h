@@ -12,6 +12,7 @@
 //   cache_batch_idx, or one page of a paged cache: pages hold a multiple of 16 keys) or from the new keys.
 // - Per block: S = Q K^T and O += P V with m16n8k16 MMAs (warp_mma.h), masks and softcap as the attention
 //   kernels define them, and softmax.h's online softmax, whose fragment layout these MMAs share.
+// - FP8 (e4m3) caches are read as stored (half the bytes) and widened to fp16 in shared memory per block.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -35,36 +36,50 @@ namespace flash {
 
 template <class Element_, int kHeadDim_>
 struct DecodeConfig {
-  using Element = Element_;
+  using Element = Element_;  // q, the caches and the new keys, as stored
   static constexpr int kHeadDim = kHeadDim_;
+  // FP8 (e4m3) caches: each 16-key block is widened to fp16 in shared memory (exact: every e4m3 value is an
+  // fp16 value) and runs the 16-bit MMAs, so P keeps fp16's precision; the output is bf16, as the FP8
+  // forward's. The kernel is bound by reading the cache, which FP8 halves.
+  static constexpr bool kFp8 = std::is_same_v<Element, cutlass::float_e4m3_t>;
+  using MmaElement = std::conditional_t<kFp8, cutlass::half_t, Element>;
+  using OutElement = std::conditional_t<kFp8, cutlass::bfloat16_t, Element>;
   // Warps per CTA, chosen per launch (blockDim.x): 4, or 8 where one CTA per SM covers the grid and its shared
   // memory fits, which halves each warp's chain of blocks (flash_decode_launch.h; perf-notes section 25).
   static constexpr int kWarps = 4;
   static constexpr int kMaxWarps = 8;
   static constexpr int kRows = 16;    // query rows of a CTA: one MMA tile
   static constexpr int kBlockN = 16;  // keys per warp step: one page of the smallest size
-  // Stages per warp: ~32 KB of K/V in flight per warp at d <= 128, so that 2 CTAs per SM keep HBM busy.
-  static constexpr int kStages = FLASH_EXT_DECODE_STAGES > 0 ? FLASH_EXT_DECODE_STAGES : kHeadDim <= 64 ? 4 : 3;
+  // Stages per warp: ~32 KB of K/V in flight per warp at d <= 128, so that 2 CTAs per SM keep HBM busy (FP8:
+  // more, smaller stages, about as many bytes in flight).
+  static constexpr int kDefaultStages = kFp8 ? (kHeadDim <= 64 ? 8 : 5) : (kHeadDim <= 64 ? 4 : 3);
+  static constexpr int kStages = FLASH_EXT_DECODE_STAGES > 0 ? FLASH_EXT_DECODE_STAGES : kDefaultStages;
   // Q as MMA fragments in registers (kHeadDim / 4 of them), or above d128, where they would spill beside O's,
   // in shared memory, read by ldmatrix at every block.
   static constexpr bool kQInShared = kHeadDim > 128;
-  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per K/V row
-  static constexpr int kRowBytes = kHeadDim * 2;
-  static constexpr int kTileBytes = kBlockN * kRowBytes;  // K or V of one step
+  static constexpr int kElementsPerChunk = 16 / int(sizeof(Element));  // per 16-byte copy
+  static constexpr int kChunks = kHeadDim / kElementsPerChunk;         // 16-byte chunks per stored K/V row
+  static constexpr int kRowBytes = kHeadDim * int(sizeof(Element));
+  static constexpr int kTileBytes = kBlockN * kRowBytes;  // K or V of one step, as stored
   static constexpr int kStageBytes = 2 * kTileBytes;
+  // The tiles the MMAs read (ldmatrix): 16-bit rows, chunk c of row r at c ^ (r % 8).
+  static constexpr int kMmaRowBytes = kHeadDim * 2;
+  static constexpr int kMmaTileBytes = kBlockN * kMmaRowBytes;
+  static constexpr int kWidenBytes = kFp8 ? kMmaTileBytes : 0;  // per warp: K's, then V's tile in fp16
+  static constexpr int kWarpBytes = kStages * kStageBytes + kWidenBytes;
   static constexpr int kRowsPerCopy = 32 / kChunks;  // K/V rows one warp-wide 16-byte copy covers
   static constexpr int kCopiesPerTile = kBlockN / kRowsPerCopy;
   // The warps' normalised O and LSE for the final merge, fp32, rows padded by 4 floats (fewer bank conflicts).
   static constexpr int kMergeRowFloats = kHeadDim + 4;
-  static constexpr int kQBytes = kQInShared ? kRows * kRowBytes : 0;  // after the warps' pipelines
+  static constexpr int kQBytes = kQInShared ? kRows * kMmaRowBytes : 0;  // after the warps' pipelines
   static constexpr int shared_bytes(int warps) {
-    int const pipeline = warps * kStages * kStageBytes + kQBytes, merge = warps * kRows * (kMergeRowFloats + 1) * 4;
+    int const pipeline = warps * kWarpBytes + kQBytes, merge = warps * kRows * (kMergeRowFloats + 1) * 4;
     return pipeline > merge ? pipeline : merge;
   }
   static constexpr int kSharedBytes = shared_bytes(kWarps);
   static constexpr bool kMaxWarpsFit = shared_bytes(kMaxWarps) <= 227 * 1024;
-  static_assert(std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>);
-  static_assert(kHeadDim % 16 == 0 && kChunks <= 32 && 32 % kChunks == 0);
+  static_assert(std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t> || kFp8);
+  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 64 && kChunks <= 32 && 32 % kChunks == 0);
 };
 
 // One sequence of a decode call, its lengths clamped into the cache.
@@ -89,25 +104,23 @@ struct CacheBlock {
   Element const* v;
 
   __device__ static CacheBlock make(DecodeParams const& p, DecodeSequence const& seq, int batch, int kv_head, int first_key) {
-    int64_t row_offset;
+    int64_t entry = seq.entry, row = first_key;  // the cache's entry (contiguous) or page (paged), and the row in it
     if (p.page_table != nullptr) {
       int const slot = min(first_key / p.page_size, p.pages_per_seq - 1);
-      int const page = min(max(p.page_table[batch * p.page_table_batch_stride + slot], 0), p.cache_entries - 1);
-      row_offset = page * p.k_cache.batch_stride + (first_key - slot * p.page_size) * p.k_cache.row_stride;
-      int64_t const v_offset = page * p.v_cache.batch_stride + (first_key - slot * p.page_size) * p.v_cache.row_stride;
-      return {static_cast<Element const*>(p.k_cache.ptr) + row_offset + kv_head * p.k_cache.head_stride,
-              static_cast<Element const*>(p.v_cache.ptr) + v_offset + kv_head * p.v_cache.head_stride};
+      entry = min(max(p.page_table[batch * p.page_table_batch_stride + slot], 0), p.cache_entries - 1);
+      row = first_key - slot * p.page_size;
     }
-    row_offset = seq.entry * p.k_cache.batch_stride + int64_t(first_key) * p.k_cache.row_stride;
-    int64_t const v_offset = seq.entry * p.v_cache.batch_stride + int64_t(first_key) * p.v_cache.row_stride;
-    return {static_cast<Element const*>(p.k_cache.ptr) + row_offset + kv_head * p.k_cache.head_stride,
-            static_cast<Element const*>(p.v_cache.ptr) + v_offset + kv_head * p.v_cache.head_stride};
+    auto const at = [&](StridedTensor const& t) {
+      return static_cast<Element const*>(t.ptr) + entry * t.batch_stride + row * t.row_stride + kv_head * t.head_stride;
+    };
+    return {at(p.k_cache), at(p.v_cache)};
   }
 };
 
 template <class Config>
 struct DecodeKernel {
   using Element = typename Config::Element;
+  using MmaElement = typename Config::MmaElement;
   using Params = DecodeParams;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kNumThreads = Config::kMaxWarps * 32;  // the launch bound; blockDim.x is 128 or 256
@@ -139,7 +152,7 @@ struct DecodeKernel {
   __device__ static void append_new(Params const& p, DecodeSequence const& seq, int batch, int kv_head) {
     int const chunks = p.seqlen_new * Config::kChunks;
     for (int i = threadIdx.x; i < chunks; i += blockDim.x) {
-      int const j = i / Config::kChunks, col = (i % Config::kChunks) * 8;
+      int const j = i / Config::kChunks, col = (i % Config::kChunks) * Config::kElementsPerChunk;
       if (col >= p.headdim) continue;
       int const pos = seq.cache_len + j;
       CacheBlock<Element> const at = CacheBlock<Element>::make(p, seq, batch, kv_head, pos);
@@ -153,25 +166,26 @@ struct DecodeKernel {
   }
 
   // Issues the cp.async copies of one 16-key block (K then V) into a stage: rows past the sequence and
-  // columns past the head dim become zeros. A row's 16-byte chunk c sits at chunk c ^ (row % 8), so that
-  // ldmatrix's eight rows hit eight different bank groups.
+  // columns past the head dim become zeros. 16-bit rows: a row's 16-byte chunk c sits at chunk c ^ (row % 8),
+  // so that ldmatrix's eight rows hit eight different bank groups; FP8 rows in order (widen_tile reads them).
   __device__ static void load_block(Params const& p, DecodeSequence const& seq, int batch, int kv_head, int block,
                                     uint32_t stage) {
     int const lane = threadIdx.x % 32;
     int const first_key = block * kBlockN;
     int const chunk = lane % Config::kChunks;
-    bool const col_valid = chunk * 8 < p.headdim;
+    bool const col_valid = chunk * Config::kElementsPerChunk < p.headdim;
     CacheBlock<Element> const cached = CacheBlock<Element>::make(p, seq, batch, kv_head, min(first_key, p.seqlen_k - 1));
     // Row lane / kChunks of the block, in the cache and (for the keys past cache_len) in k_new / v_new; each
     // copy steps kRowsPerCopy rows further.
     int const row0 = lane / Config::kChunks;
     int64_t const new_row0 = int64_t(first_key + row0 - seq.cache_len);
-    Element const* const k_cached = cached.k + row0 * p.k_cache.row_stride + chunk * 8;
-    Element const* const v_cached = cached.v + row0 * p.v_cache.row_stride + chunk * 8;
+    int const col = chunk * Config::kElementsPerChunk;
+    Element const* const k_cached = cached.k + row0 * p.k_cache.row_stride + col;
+    Element const* const v_cached = cached.v + row0 * p.v_cache.row_stride + col;
     Element const* const k_new = static_cast<Element const*>(p.k_new.ptr) + batch * p.k_new.batch_stride +
-                                 new_row0 * p.k_new.row_stride + kv_head * p.k_new.head_stride + chunk * 8;
+                                 new_row0 * p.k_new.row_stride + kv_head * p.k_new.head_stride + col;
     Element const* const v_new = static_cast<Element const*>(p.v_new.ptr) + batch * p.v_new.batch_stride +
-                                 new_row0 * p.v_new.row_stride + kv_head * p.v_new.head_stride + chunk * 8;
+                                 new_row0 * p.v_new.row_stride + kv_head * p.v_new.head_stride + col;
     int64_t const k_cached_step = Config::kRowsPerCopy * p.k_cache.row_stride, v_cached_step = Config::kRowsPerCopy * p.v_cache.row_stride;
     int64_t const k_new_step = Config::kRowsPerCopy * p.k_new.row_stride, v_new_step = Config::kRowsPerCopy * p.v_new.row_stride;
     CUTLASS_PRAGMA_UNROLL
@@ -183,9 +197,44 @@ struct DecodeKernel {
       // Invalid copies read nothing; they still get an address inside the cache.
       Element const* const k_src = !valid ? cached.k : in_cache ? k_cached + i * k_cached_step : k_new + i * k_new_step;
       Element const* const v_src = !valid ? cached.v : in_cache ? v_cached + i * v_cached_step : v_new + i * v_new_step;
-      uint32_t const offset = row * Config::kRowBytes + ((chunk ^ (row % 8)) * 16);
+      uint32_t const offset = row * Config::kRowBytes + ((Config::kFp8 ? chunk : chunk ^ (row % 8)) * 16);
       warp::cp_async_16(stage + offset, k_src, valid);
       warp::cp_async_16(stage + Config::kTileBytes + offset, v_src, valid);
+    }
+  }
+
+  // FP8: one stored 16-key tile (rows in order) widened to fp16 in the layout of the 16-bit tiles. A lane
+  // converts 16-byte chunks: 512 consecutive bytes per warp-wide load, free of bank conflicts.
+  __device__ static void widen_tile(uint32_t src, uint32_t dst) {
+    int const lane = threadIdx.x % 32;
+#pragma unroll 4  // (fully unrolled, d256's 8 chunks per lane held 32 more registers and spilled)
+    for (int j = 0; j < kBlockN * Config::kChunks / 32; ++j) {
+      int const i = lane + 32 * j, row = i / Config::kChunks, chunk = i % Config::kChunks;
+      uint4 const v = warp::lds_128(src + i * 16);
+      uint2 const x = warp::e4m3x4_to_half4(v.x), y = warp::e4m3x4_to_half4(v.y);
+      uint2 const z = warp::e4m3x4_to_half4(v.z), w = warp::e4m3x4_to_half4(v.w);
+      uint32_t const row_base = dst + row * Config::kMmaRowBytes;
+      warp::sts_128(row_base + (((2 * chunk) ^ (row % 8)) * 16), make_uint4(x.x, x.y, y.x, y.y));
+      warp::sts_128(row_base + (((2 * chunk + 1) ^ (row % 8)) * 16), make_uint4(z.x, z.y, w.x, w.y));
+    }
+  }
+
+  // Two consecutive values of q as one MMA register (FP8: widened to fp16).
+  __device__ static uint32_t load_q_pair(Element const* src) {
+    if constexpr (Config::kFp8) {
+      return warp::e4m3x2_to_half2(*reinterpret_cast<uint16_t const*>(src));
+    } else {
+      return *reinterpret_cast<uint32_t const*>(src);
+    }
+  }
+  // Eight consecutive values of q as 16 bytes of MMA elements.
+  __device__ static uint4 load_q_eight(Element const* src) {
+    if constexpr (Config::kFp8) {
+      uint2 const v = *reinterpret_cast<uint2 const*>(src);
+      uint2 const lo = warp::e4m3x4_to_half4(v.x), hi = warp::e4m3x4_to_half4(v.y);
+      return make_uint4(lo.x, lo.y, hi.x, hi.y);
+    } else {
+      return *reinterpret_cast<uint4 const*>(src);
     }
   }
 
@@ -209,7 +258,7 @@ struct DecodeKernel {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < 4; ++i) {
         int const h = i % 2, col = kk * 16 + (i / 2) * 8 + (lane % 4) * 2;
-        q[kk][i] = valid[h] && col < p.headdim ? *reinterpret_cast<uint32_t const*>(rows[h] + col) : 0u;
+        q[kk][i] = valid[h] && col < p.headdim ? load_q_pair(rows[h] + col) : 0u;
       }
     }
   }
@@ -218,14 +267,15 @@ struct DecodeKernel {
   // past the head dim are zeros.
   __device__ static void store_q_shared(Params const& p, RowTile const& t, int batch, int kv_head, char* q_smem) {
     Element const* const base = static_cast<Element const*>(p.q.ptr) + batch * p.q.batch_stride;
-    for (int i = threadIdx.x; i < Config::kRows * Config::kChunks; i += blockDim.x) {
-      int const row = i / Config::kChunks, chunk = i % Config::kChunks, r = t.first_row + row;
+    constexpr int kMmaChunks = kHeadDim / 8;
+    for (int i = threadIdx.x; i < Config::kRows * kMmaChunks; i += blockDim.x) {
+      int const row = i / kMmaChunks, chunk = i % kMmaChunks, r = t.first_row + row;
       uint4 value = make_uint4(0u, 0u, 0u, 0u);
       if (r < t.rows && chunk * 8 < p.headdim) {
-        value = *reinterpret_cast<uint4 const*>(base + (r / t.group) * p.q.row_stride +
-                                                (kv_head * t.group + r % t.group) * p.q.head_stride + chunk * 8);
+        value = load_q_eight(base + (r / t.group) * p.q.row_stride + (kv_head * t.group + r % t.group) * p.q.head_stride +
+                             chunk * 8);
       }
-      *reinterpret_cast<uint4*>(q_smem + row * Config::kRowBytes + ((chunk ^ (row % 8)) * 16)) = value;
+      *reinterpret_cast<uint4*>(q_smem + row * Config::kMmaRowBytes + ((chunk ^ (row % 8)) * 16)) = value;
     }
   }
 
@@ -251,7 +301,8 @@ struct DecodeKernel {
     int const my_blocks = max((split_blocks - warp_idx + warps - 1) / warps, 0);
     auto my_block = [&](int i) { return split_first + warp_idx + i * warps; };
 
-    uint32_t const pipeline = warp::smem_address(smem) + warp_idx * Config::kStages * Config::kStageBytes;
+    uint32_t const pipeline = warp::smem_address(smem) + warp_idx * Config::kWarpBytes;
+    uint32_t const widened = pipeline + Config::kStages * Config::kStageBytes;  // FP8 only
     auto stage_address = [&](int i) { return pipeline + (i % Config::kStages) * Config::kStageBytes; };
     CUTLASS_PRAGMA_UNROLL
     for (int s = 0; s < Config::kStages - 1; ++s) {
@@ -260,7 +311,7 @@ struct DecodeKernel {
     }
 
     uint32_t q[Config::kQInShared ? 1 : kHeadDim / 16][4];
-    char* const q_smem = smem + warps * Config::kStages * Config::kStageBytes;
+    char* const q_smem = smem + warps * Config::kWarpBytes;
     if constexpr (Config::kQInShared) {
       store_q_shared(p, tile, batch, kv_head, q_smem);
       __syncthreads();
@@ -279,7 +330,18 @@ struct DecodeKernel {
       visible_lo[h] = p.options.window_left >= 0 ? pos - p.options.window_left : 0;
       visible_hi[h] = p.options.window_right >= 0 ? min(pos + p.options.window_right, seq.total - 1) : seq.total - 1;
     }
-    Softmax<2> softmax(p.softmax_scale_log2);
+    // FP8: q_descale * k_descale scale the scores (in tanh's argument with softcap), v_descale the output.
+    float softmax_scale_log2 = p.softmax_scale_log2, softcap_pre_scale = p.softcap_pre_scale, v_scale = 1.f;
+    if constexpr (Config::kFp8) {
+      float const qk = p.q_descale.at(batch, kv_head) * p.k_descale.at(batch, kv_head);
+      if (softcap_pre_scale > 0.f) {
+        softcap_pre_scale *= qk;
+      } else {
+        softmax_scale_log2 *= qk;
+      }
+      v_scale = p.v_descale.at(batch, kv_head);
+    }
+    Softmax<2> softmax(softmax_scale_log2);
     OutFrag acc_o;
     cute::clear(acc_o);
 
@@ -294,25 +356,30 @@ struct DecodeKernel {
       warp::cp_async_commit();
       warp::cp_async_wait<Config::kStages - 1>();
       __syncwarp();
-      uint32_t const k_tile = stage_address(i), v_tile = k_tile + Config::kTileBytes;
+      uint32_t k_tile = stage_address(i), v_tile = k_tile + Config::kTileBytes;
+      if constexpr (Config::kFp8) {
+        widen_tile(k_tile, widened);
+        __syncwarp();
+        k_tile = widened;
+      }
 
       ScoreFrag acc_s;
       cute::clear(acc_s);
       CUTLASS_PRAGMA_UNROLL
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
         uint32_t b[4];
-        warp::ldmatrix_x4(b, k_tile + k_row * Config::kRowBytes + (((2 * kk + k_chunk_hi) ^ (k_row % 8)) * 16));
+        warp::ldmatrix_x4(b, k_tile + k_row * Config::kMmaRowBytes + (((2 * kk + k_chunk_hi) ^ (k_row % 8)) * 16));
         uint32_t a_frag[4];
         if constexpr (Config::kQInShared) {
-          warp::ldmatrix_x4(a_frag, q_tile + q_row * Config::kRowBytes + (((2 * kk + q_chunk_hi) ^ (q_row % 8)) * 16));
+          warp::ldmatrix_x4(a_frag, q_tile + q_row * Config::kMmaRowBytes + (((2 * kk + q_chunk_hi) ^ (q_row % 8)) * 16));
         } else {
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < 4; ++i) { a_frag[i] = q[kk][i]; }
         }
-        warp::mma_16816<Element>(acc_s(0), acc_s(1), acc_s(2), acc_s(3), a_frag, b[0], b[1]);
-        warp::mma_16816<Element>(acc_s(4), acc_s(5), acc_s(6), acc_s(7), a_frag, b[2], b[3]);
+        warp::mma_16816<MmaElement>(acc_s(0), acc_s(1), acc_s(2), acc_s(3), a_frag, b[0], b[1]);
+        warp::mma_16816<MmaElement>(acc_s(4), acc_s(5), acc_s(6), acc_s(7), a_frag, b[2], b[3]);
       }
-      if (p.softcap_pre_scale > 0.f) { apply_softcap(acc_s, p.softcap_pre_scale); }
+      if (softcap_pre_scale > 0.f) { apply_softcap(acc_s, softcap_pre_scale); }
       int const first_key = my_block(i) * kBlockN;
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < 8; ++e) {
@@ -323,16 +390,22 @@ struct DecodeKernel {
       softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/true>(acc_s);
       softmax.rescale_o(acc_o, correction);
 
-      uint32_t const a[4] = {warp::pack_2<Element>(acc_s(0), acc_s(1)), warp::pack_2<Element>(acc_s(2), acc_s(3)),
-                             warp::pack_2<Element>(acc_s(4), acc_s(5)), warp::pack_2<Element>(acc_s(6), acc_s(7))};
+      uint32_t const a[4] = {warp::pack_2<MmaElement>(acc_s(0), acc_s(1)), warp::pack_2<MmaElement>(acc_s(2), acc_s(3)),
+                             warp::pack_2<MmaElement>(acc_s(4), acc_s(5)), warp::pack_2<MmaElement>(acc_s(6), acc_s(7))};
+      if constexpr (Config::kFp8) {
+        __syncwarp();  // every lane's ldmatrix of K's widened tile is done
+        widen_tile(v_tile, widened);
+        __syncwarp();
+        v_tile = widened;
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int nd = 0; nd < kHeadDim / 16; ++nd) {
         uint32_t b[4];
-        warp::ldmatrix_x4_trans(b, v_tile + v_row * Config::kRowBytes + (((2 * nd + v_chunk_hi) ^ (v_row % 8)) * 16));
-        warp::mma_16816<Element>(acc_o(8 * nd), acc_o(8 * nd + 1), acc_o(8 * nd + 2), acc_o(8 * nd + 3), a, b[0], b[1]);
-        warp::mma_16816<Element>(acc_o(8 * nd + 4), acc_o(8 * nd + 5), acc_o(8 * nd + 6), acc_o(8 * nd + 7), a, b[2], b[3]);
+        warp::ldmatrix_x4_trans(b, v_tile + v_row * Config::kMmaRowBytes + (((2 * nd + v_chunk_hi) ^ (v_row % 8)) * 16));
+        warp::mma_16816<MmaElement>(acc_o(8 * nd), acc_o(8 * nd + 1), acc_o(8 * nd + 2), acc_o(8 * nd + 3), a, b[0], b[1]);
+        warp::mma_16816<MmaElement>(acc_o(8 * nd + 4), acc_o(8 * nd + 5), acc_o(8 * nd + 6), acc_o(8 * nd + 7), a, b[2], b[3]);
       }
-      __syncwarp();  // every lane's ldmatrix of this stage is done before the next copy overwrites it
+      __syncwarp();  // every lane's read of this stage (and of the widened tile) is done before they are rewritten
     }
 
     // Each warp's part, normalised, with its LSE (-inf for a warp that saw no key).
@@ -378,10 +451,16 @@ struct DecodeKernel {
         o.z += weight * part.z;
         o.w += weight * part.w;
       }
+      if constexpr (Config::kFp8) {
+        o.x *= v_scale;
+        o.y *= v_scale;
+        o.z *= v_scale;
+        o.w *= v_scale;
+      }
       int const token = r / tile.group, head = kv_head * tile.group + r % tile.group;
       SplitOutput const out = SplitOutput::of(p);
       if (p.num_splits == 1) {
-        out.store_final<Element>(batch, token, head, col, o, lse, col == 0);
+        out.store_final<typename Config::OutElement>(batch, token, head, col, o, lse, col == 0);
       } else {
         out.store_part(split, batch, token, head, col, o, lse, col == 0);
       }

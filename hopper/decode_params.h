@@ -16,10 +16,11 @@ namespace flash {
 // kernel clamps every index and length it reads from device memory into range, so no value makes it
 // access memory outside the tensors.
 struct DecodeParams {
-  StridedTensor q, o;          // (batch, seqlen_q, nheads, headdim); o in q's dtype
+  StridedTensor q, o;          // (batch, seqlen_q, nheads, headdim); o in q's dtype (bf16 for FP8)
   float* lse;                  // (batch, nheads, seqlen_q), contiguous
   StridedTensor k_cache, v_cache;  // batch_stride steps entries, or pages when page_table is set
   StridedTensor k_new, v_new;      // (batch, seqlen_new, nheads_kv, headdim); ptr nullptr when seqlen_new = 0
+  DescaleTensor q_descale, k_descale, v_descale;  // FP8 (e4m3) q and caches only
   int const* cache_seqlens;        // (batch,)
   int const* cache_batch_idx;      // (batch,) or nullptr
   int const* page_table;           // (batch, pages_per_seq) or nullptr

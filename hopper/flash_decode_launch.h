@@ -93,7 +93,8 @@ struct DecodeLauncher {
     device_kernel<Kernel><<<grid, how.warps * 32, Config::shared_bytes(how.warps), stream>>>(params);
     FLASH_CUDA_CHECK(cudaGetLastError());
     if (params.num_splits > 1) {
-      launch_kernel<SplitCombine<Element>>(SplitCombine<Element>::grid(params), params, device, stream);
+      using Combine = SplitCombine<typename Config::OutElement>;
+      launch_kernel<Combine>(Combine::grid(params), params, device, stream);
     }
   }
 };

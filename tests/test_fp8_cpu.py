@@ -157,3 +157,22 @@ def test_descale_argument_type():
     x = torch.zeros(1, 8, 2, 64).to(E4M3)
     with pytest.raises(TypeError, match=r"k_descale must be a torch.Tensor, got float"):
         flash_ext.forward(x, x, x, k_descale=1.0)
+
+
+def test_quantize_with_a_cache_descale():
+    """New keys for an FP8 cache: stored with the cache's descales, so that dequantize gives them back within
+    e4m3's rounding, and values past the range clamped."""
+    torch.manual_seed(3)
+    k_cache = torch.randn(2, 16, 4, 32)
+    cache8, descale = fp8.quantize(k_cache, 2)
+    k_new = torch.randn(2, 3, 4, 32)
+    k_new[1, 0, 3, 5] = 1e6  # beyond the cache's range: clamped to 448 * descale
+    k8 = fp8.quantize_with(k_new, descale)
+    assert k8.dtype == torch.float8_e4m3fn and k8.shape == k_new.shape
+    back = fp8.dequantize(k8, descale)
+    assert back[1, 0, 3, 5].item() == pytest.approx(448 * descale[1, 1].item())
+    k_new[1, 0, 3, 5] = 0.0
+    back[1, 0, 3, 5] = 0.0
+    assert ((back - k_new.double()).abs() <= k_new.double().abs() * 2 ** -4 + descale.max().item() * 2 ** -9).all()
+    with pytest.raises(ValueError, match=r"descale must be \(batch=2, nheads_kv\)"):
+        fp8.quantize_with(k_new, descale[:, :1].expand(2, 3))

@@ -38,7 +38,7 @@ def test_good_calls_reach_the_op():
             flash_ext.flash_attn_with_kvcache(q, kc, vc, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["cache_leftpad", "rotary_cos", "cu_seqlens_q", "q_descale"])
+@pytest.mark.parametrize("name", ["cache_leftpad", "rotary_cos", "cu_seqlens_q", "qv"])
 def test_not_yet_implemented_keywords(name):
     q, kc, vc = _inputs()
     with pytest.raises(NotImplementedError, match=f"{name} is not supported by flash_ext yet"):
@@ -155,3 +155,31 @@ def test_op_checks_name_the_argument(real_op):
     with pytest.raises(ValueError, match="page size .* must be a positive multiple of 16, got 8"):
         flash_ext.flash_attn_with_kvcache(q, kc[:, :8], vc[:, :8], cache_seqlens=lens,
                                           page_table=torch.zeros(2, 1, dtype=torch.int32), check_values=False)
+
+
+def test_fp8_op_checks(real_op):
+    """FP8 (e4m3) q and caches: the descales' rules are the forward's; every tensor in e4m3; head dims of 16."""
+    fp8 = torch.float8_e4m3fn
+    q, kc, vc = (t.to(fp8) for t in _inputs())
+    lens = torch.tensor([1, 2], dtype=torch.int32)
+    ones = torch.ones(2, 2)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):  # every check passed
+        flash_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, q_descale=ones, k_descale=ones, v_descale=ones)
+    cases = [
+        (ValueError, r"q_descale must have shape \(batch, nheads_kv\) = \(2, 2\), got \(2, 4\)",
+         dict(q_descale=torch.ones(2, 4))),
+        (TypeError, "k_descale must be torch.float32, got torch.float16", dict(k_descale=ones.half())),
+    ]
+    for error, message, kwargs in cases:
+        with pytest.raises(error, match=message):
+            flash_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **kwargs)
+    q16, kc16, vc16 = _inputs()
+    with pytest.raises(ValueError, match=r"v_descale is only for FP8 \(torch.float8_e4m3fn\) q, k, v; got torch.bfloat16"):
+        flash_ext.flash_attn_with_kvcache(q16, kc16, vc16, cache_seqlens=lens, v_descale=ones)
+    with pytest.raises(TypeError, match="k_cache and v_cache must have q's dtype torch.float8_e4m3fn"):
+        flash_ext.flash_attn_with_kvcache(q, kc16, vc16, cache_seqlens=lens)
+    with pytest.raises(TypeError, match="k and v must have the caches' dtype torch.float8_e4m3fn, got k torch.bfloat16"):
+        k_new = torch.randn(2, 1, 2, 64, dtype=torch.bfloat16)
+        flash_ext.flash_attn_with_kvcache(q, kc, vc, k_new, k_new, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="head dim 40 is not supported for FP8"):
+        flash_ext.flash_attn_with_kvcache(q[..., :40].contiguous(), kc[..., :40].contiguous(), vc[..., :40].contiguous())

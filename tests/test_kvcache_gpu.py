@@ -3,6 +3,8 @@ with FlashAttention's error rule (2x the error of PyTorch's attention in the inp
 keys, plus rounding noise), outputs poisoned first:
 - the decode kernel: decoding one token and appending several, ragged and odd cache lengths, every head dim,
   fp16 and bf16, GQA and MQA, causal, window and softcap, a sequence without keys;
+- FP8 (e4m3) q and caches with descales other than 1 against the float64 reference on the dequantized
+  values (the rule's PyTorch attention runs them in bf16, the output's dtype); paged FP8 == contiguous;
 - paged caches (page sizes 16, 64, 256, pages in shuffled order) bitwise equal to the contiguous cache, and
   cache_batch_idx;
 - split counts 1..16 equal within rounding, and the heuristic's;
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 import flash_ext
+from flash_ext import fp8
 from flash_ext.reference import attention_kvcache_ref, attention_lowp
 from gpu_helpers import assert_lse_matches, assert_out_within_rule, poison_allocator
 
@@ -105,6 +108,72 @@ def test_no_new_keys_and_no_lengths():
     assert_lse_matches(lse_full, lse_ref, 1e-3)
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_inputs(batch, seqlen_q, seqlen_new, seqlen_cache, nheads, nheads_kv, headdim, seed):
+    """e4m3 q, caches and new keys (random values, never zeros) and (batch, nheads_kv) descales in [0.5, 2)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    randn = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(FP8)  # noqa: E731
+    tensors = (randn(batch, seqlen_q, nheads, headdim), randn(batch, seqlen_cache, nheads_kv, headdim),
+               randn(batch, seqlen_cache, nheads_kv, headdim), randn(batch, seqlen_new, nheads_kv, headdim),
+               randn(batch, seqlen_new, nheads_kv, headdim))
+    descales = [torch.rand(batch, nheads_kv, device="cuda", generator=gen) * 1.5 + 0.5 for _ in range(3)]
+    return tensors, descales
+
+
+def _bytes(t):
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_new,lens,heads,causal,window,softcap", CASES)
+def test_fp8_caches(seqlen_new, lens, heads, causal, window, softcap, headdim):
+    _require_decode(headdim, FP8)
+    nheads, nheads_kv = heads
+    (q, k_cache, v_cache, k_new, v_new), (qd, kd, vd) = _fp8_inputs(len(lens), seqlen_new, seqlen_new, 2048, nheads,
+                                                                    nheads_kv, headdim, headdim + 7 * seqlen_new)
+    deq = lambda x, d: fp8.dequantize(x, d, nheads_kv)  # noqa: E731
+    cache_seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out_ref, lse_ref, k_after, v_after = attention_kvcache_ref(
+        deq(q, qd), deq(k_cache, kd), deq(v_cache, vd), deq(k_new, kd), deq(v_new, vd), cache_seqlens, causal=causal,
+        window_size=window, softcap=softcap)
+    k_expected, v_expected = _bytes(k_cache).clone(), _bytes(v_cache).clone()
+    for b, n in enumerate(lens):
+        k_expected[b, n:n + seqlen_new] = _bytes(k_new[b])
+        v_expected[b, n:n + seqlen_new] = _bytes(v_new[b])
+    poison_allocator((q.shape, torch.bfloat16), ((q.shape[0], q.shape[2], q.shape[1]), torch.float32))
+    out, lse = flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal=causal,
+                                                 window_size=window, softcap=softcap, q_descale=qd, k_descale=kd,
+                                                 v_descale=vd, return_softmax_lse=True)
+    torch.cuda.synchronize()
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert torch.equal(_bytes(k_cache), k_expected) and torch.equal(_bytes(v_cache), v_expected), "the FP8 append"
+    assert not out.isnan().any(), "NaN in out (unwritten elements?)"
+    total = [n + seqlen_new for n in lens]
+    bf16 = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    assert_out_within_rule(out, out_ref, _lowp(bf16(deq(q, qd)), bf16(k_after), bf16(v_after), total, causal, window,
+                                               softcap), torch.bfloat16)
+    assert_lse_matches(lse, lse_ref, 1e-3 + softcap * 2.0 ** -10)
+
+
+def test_fp8_paged_equals_contiguous_and_splits():
+    _require_decode(128, FP8)
+    (q, k_cache, v_cache, k_new, v_new), (qd, kd, vd) = _fp8_inputs(3, 1, 1, 1024, 32, 8, 128, 11)
+    lens = torch.tensor([1000, 5, 511], dtype=torch.int32, device="cuda")
+    k_pages, v_pages, table = _paged_copy(k_cache, v_cache, 64, 3)
+    scales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    out, lse = flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, lens, causal=True, num_splits=3,
+                                                 return_softmax_lse=True, **scales)
+    out_p, lse_p = flash_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, lens, page_table=table,
+                                                     causal=True, num_splits=3, return_softmax_lse=True, **scales)
+    assert torch.equal(out_p, out) and torch.equal(lse_p, lse), "paged and contiguous FP8 caches give the same bits"
+    for splits in (1, 8):
+        out_s = flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, None, None, lens + 1, causal=True,
+                                                  num_splits=splits, **scales)
+        torch.testing.assert_close(out_s, out, atol=1e-2, rtol=0)
+
+
 def _paged_copy(k_cache, v_cache, page_size, seed):
     """The same keys in a paged cache: every entry's pages in a shuffled pool, plus unused pages."""
     batch, seqlen_cache, nheads_kv, headdim = k_cache.shape
@@ -115,8 +184,12 @@ def _paged_copy(k_cache, v_cache, page_size, seed):
     table = order.reshape(batch, pages_per_seq).to(torch.int32).cuda()
     pools = []
     for cache in (k_cache, v_cache):
-        pool = torch.randn(num_pages, page_size, nheads_kv, headdim, device="cuda", dtype=cache.dtype)
-        pool[order.cuda()] = cache.reshape(batch * pages_per_seq, page_size, nheads_kv, headdim)
+        pool = torch.randn(num_pages, page_size, nheads_kv, headdim, device="cuda").to(cache.dtype)
+        rows = cache.reshape(batch * pages_per_seq, page_size, nheads_kv, headdim)
+        if cache.dtype == FP8:  # copied as bytes: indexed assignment of float8 tensors is not everywhere
+            pool.view(torch.uint8)[order.cuda()] = rows.view(torch.uint8)
+        else:
+            pool[order.cuda()] = rows
         pools.append(pool)
     return pools[0], pools[1], table
 

@@ -2,7 +2,9 @@
 flash_attn_with_kvcache (contiguous and paged caches) beside SDPA's backends on the same cache, and the
 bandwidth a device-to-device copy reaches in the same run.
 
-Per (batch, cache length): q (batch, seqlen_q, nheads, headdim), a full cache of that length; times are
+Per (batch, cache length): q (batch, seqlen_q, nheads, headdim), a full cache of that length (and, where the
+build has the kernel, the same cache in FP8, "flash_ext fp8": q and caches cast to e4m3, descales of 1, bf16
+out; it reads half the bytes, so its ratio to SDPA's 16-bit backends is a different computation's); times are
 do_bench medians (CUDA events, L2 flushed) of
 - "graph": one call captured in a CUDA graph and replayed (kernel time, as a decoder under
   torch.compile(mode="reduce-overhead") runs it),
@@ -52,14 +54,21 @@ def decode_inputs(batch, seqlen_q, cache_len, nheads=32, nheads_kv=8, headdim=12
 
 
 def _candidates(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype, page_sizes):
-    """(name, fn, sdpa_backend or None) for one shape; tensors allocated here."""
+    """(name, fn, sdpa_backend or None, K/V bytes read) for one shape; tensors allocated here."""
     import flash_ext
     from torch.nn.attention import SDPBackend
 
     q, k_cache, v_cache, lens = decode_inputs(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype)
     causal = seqlen_q > 1
+    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
     out = [("flash_ext", lambda: flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=causal,
-                                                                   check_values=False), None)]
+                                                                   check_values=False), None, kv_bytes)]
+    if flash_ext.has_kernel("decode", headdim, torch.float8_e4m3fn, False):
+        q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k_cache, v_cache))
+        ones = torch.ones(batch, nheads_kv, device="cuda")
+        out.append(("flash_ext fp8", lambda: flash_ext.flash_attn_with_kvcache(
+            q8, k8, v8, cache_seqlens=lens, causal=causal, check_values=False, q_descale=ones, k_descale=ones,
+            v_descale=ones), None, kv_bytes // 2))
     for page_size in page_sizes:
         if cache_len % page_size:
             continue
@@ -72,15 +81,14 @@ def _candidates(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype, p
         v_pages[order] = v_cache.view(batch * pages, page_size, nheads_kv, headdim)
         out.append((f"flash_ext paged {page_size}",
                     lambda kp=k_pages, vp=v_pages, t=table: flash_ext.flash_attn_with_kvcache(
-                        q, kp, vp, cache_seqlens=lens, page_table=t, causal=causal, check_values=False), None))
+                        q, kp, vp, cache_seqlens=lens, page_table=t, causal=causal, check_values=False), None, kv_bytes))
     qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     # SDPA's causal mask is top-left aligned: a decoding step (one query) sees the whole cache, so no mask.
     sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=nheads != nheads_kv)  # noqa: E731
     for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION),
                           ("SDPA efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        out.append((name, sdpa, backend))
-    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
-    return out, kv_bytes
+        out.append((name, sdpa, backend, kv_bytes))
+    return out
 
 
 def run_decode(batches, cache_lens, seqlen_q, nheads, nheads_kv, headdim, dtype, page_sizes, warmup_ms, rep_ms,
@@ -100,8 +108,8 @@ def run_decode(batches, cache_lens, seqlen_q, nheads, nheads_kv, headdim, dtype,
         for cache_len in cache_lens:
             if batch * cache_len > MAX_CACHE_TOKENS:
                 continue
-            cands, kv_bytes = _candidates(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype, page_sizes)
-            for name, fn, backend in cands:
+            cands = _candidates(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype, page_sizes)
+            for name, fn, backend, kv_bytes in cands:
                 ctx = contextlib.nullcontext() if backend is None else sdpa_kernel(backend)
                 row = {"batch": batch, "cache_len": cache_len, "backend": name, "kv_bytes": kv_bytes}
                 try:
