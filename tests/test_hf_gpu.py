@@ -5,6 +5,8 @@ random weights (GQA 8/2, head dim 64, bf16; nothing downloaded). Skipped where t
   error of flash_ext within 2x that of transformers' own SDPA path in bf16, plus rounding noise.
 - Greedy generation through the cache (the decode kernel at each step): the same tokens as SDPA's, or, where
   they part, a near tie between the two tokens in the float32 model's logits."""
+import copy
+
 import pytest
 import torch
 
@@ -29,10 +31,12 @@ def models():
     base = transformers.LlamaForCausalLM(config).eval()
     built = {}
     for impl, dtype in (("eager", torch.float32), ("sdpa", torch.bfloat16), (flash_ext.hf.NAME, torch.bfloat16)):
-        model = transformers.LlamaForCausalLM(config).eval()
+        # A config of its own: set_attn_implementation writes the implementation into the model's config.
+        model = transformers.LlamaForCausalLM(copy.deepcopy(config)).eval()
         model.load_state_dict(base.state_dict())
         model.set_attn_implementation(impl)
         built[impl] = model.to(device="cuda", dtype=dtype)
+    assert [m.config._attn_implementation for m in built.values()] == list(built)
     return built
 
 

@@ -131,7 +131,7 @@ def _bytes(t):
 def test_fp8_caches(seqlen_new, lens, heads, causal, window, softcap, headdim):
     _require_decode(headdim, FP8)
     nheads, nheads_kv = heads
-    (q, k_cache, v_cache, k_new, v_new), (qd, kd, vd) = _fp8_inputs(len(lens), seqlen_new, seqlen_new, 2048, nheads,
+    (q, k_cache, v_cache, k_new, v_new), (qd, kd, vd) = _fp8_inputs(len(lens), seqlen_new, seqlen_new, 4096, nheads,
                                                                     nheads_kv, headdim, headdim + 7 * seqlen_new)
     deq = lambda x, d: fp8.dequantize(x, d, nheads_kv)  # noqa: E731
     cache_seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
