@@ -12,7 +12,8 @@
 //   cache_batch_idx, or one page of a paged cache: pages hold a multiple of 16 keys) or from the new keys.
 // - Per block: S = Q K^T and O += P V with m16n8k16 MMAs (warp_mma.h), masks and softcap as the attention
 //   kernels define them, and softmax.h's online softmax, whose fragment layout these MMAs share.
-// - FP8 (e4m3) caches are read as stored (half the bytes) and widened to fp16 in shared memory per block.
+// - FP8 (e4m3) caches are read as stored (half the bytes) and run the fp16 MMAs: K widened in registers after
+//   its ldmatrix (Q's columns permuted to match), V widened to fp16 in shared memory per block.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -38,8 +39,10 @@ template <class Element_, int kHeadDim_>
 struct DecodeConfig {
   using Element = Element_;  // q, the caches and the new keys, as stored
   static constexpr int kHeadDim = kHeadDim_;
-  // FP8 (e4m3) caches: each 16-key block is widened to fp16 in shared memory (exact: every e4m3 value is an
-  // fp16 value) and runs the 16-bit MMAs, so P keeps fp16's precision; the output is bf16, as the FP8
+  // FP8 (e4m3) caches run the fp16 MMAs (sm_90 has no FP8 mma.sync: ptxas would widen both operands at every
+  // use): every e4m3 value is an fp16 value, so the widening is exact and P keeps fp16's precision. K is
+  // widened in registers after its ldmatrix, with Q's columns permuted to match (load_q); V, whose keys must
+  // come out of ldmatrix.trans, is widened into shared memory per block. The output is bf16, as the FP8
   // forward's. The kernel is bound by reading the cache, which FP8 halves.
   static constexpr bool kFp8 = std::is_same_v<Element, cutlass::float_e4m3_t>;
   using MmaElement = std::conditional_t<kFp8, cutlass::half_t, Element>;
@@ -62,10 +65,10 @@ struct DecodeConfig {
   static constexpr int kRowBytes = kHeadDim * int(sizeof(Element));
   static constexpr int kTileBytes = kBlockN * kRowBytes;  // K or V of one step, as stored
   static constexpr int kStageBytes = 2 * kTileBytes;
-  // The tiles the MMAs read (ldmatrix): 16-bit rows, chunk c of row r at c ^ (r % 8).
+  static constexpr int kKSteps = kRowBytes / 32;  // K's ldmatrix steps along the head dim, 32 stored bytes each
+  // The 16-bit tiles the MMAs read: V as stored or widened from FP8 (per warp), Q when kept in shared memory.
   static constexpr int kMmaRowBytes = kHeadDim * 2;
-  static constexpr int kMmaTileBytes = kBlockN * kMmaRowBytes;
-  static constexpr int kWidenBytes = kFp8 ? kMmaTileBytes : 0;  // per warp: K's, then V's tile in fp16
+  static constexpr int kWidenBytes = kFp8 ? kBlockN * kMmaRowBytes : 0;
   static constexpr int kWarpBytes = kStages * kStageBytes + kWidenBytes;
   static constexpr int kRowsPerCopy = 32 / kChunks;  // K/V rows one warp-wide 16-byte copy covers
   static constexpr int kCopiesPerTile = kBlockN / kRowsPerCopy;
@@ -79,7 +82,15 @@ struct DecodeConfig {
   static constexpr int kSharedBytes = shared_bytes(kWarps);
   static constexpr bool kMaxWarpsFit = shared_bytes(kMaxWarps) <= 227 * 1024;
   static_assert(std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t> || kFp8);
-  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 64 && kChunks <= 32 && 32 % kChunks == 0);
+  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 64 && kChunks <= 32 && 32 % kChunks == 0 && kRowBytes >= 64);
+
+  // Where 16-byte chunk `chunk` of row `row` sits in a tile that ldmatrix reads (rows of row_bytes): chunks are
+  // permuted by XOR so that the 8 rows of one ldmatrix matrix, at one chunk, hit 8 different bank groups.
+  // 64-byte rows (FP8 d64) pair up in 128-byte lines.
+  __host__ __device__ static constexpr uint32_t swizzled(int row, int chunk, int row_bytes) {
+    int const rows_per_line = row_bytes >= 128 ? 1 : 128 / row_bytes;
+    return uint32_t(row * row_bytes + ((chunk ^ ((row / rows_per_line) % (8 / rows_per_line))) * 16));
+  }
 };
 
 // One sequence of a decode call, its lengths clamped into the cache.
@@ -166,8 +177,8 @@ struct DecodeKernel {
   }
 
   // Issues the cp.async copies of one 16-key block (K then V) into a stage: rows past the sequence and
-  // columns past the head dim become zeros. 16-bit rows: a row's 16-byte chunk c sits at chunk c ^ (row % 8),
-  // so that ldmatrix's eight rows hit eight different bank groups; FP8 rows in order (widen_tile reads them).
+  // columns past the head dim become zeros. Rows are swizzled for ldmatrix (Config::swizzled), except FP8 V's,
+  // which stay in order (widen_tile reads them).
   __device__ static void load_block(Params const& p, DecodeSequence const& seq, int batch, int kv_head, int block,
                                     uint32_t stage) {
     int const lane = threadIdx.x % 32;
@@ -182,11 +193,24 @@ struct DecodeKernel {
     int const col = chunk * Config::kElementsPerChunk;
     Element const* const k_cached = cached.k + row0 * p.k_cache.row_stride + col;
     Element const* const v_cached = cached.v + row0 * p.v_cache.row_stride + col;
+    int64_t const k_cached_step = Config::kRowsPerCopy * p.k_cache.row_stride, v_cached_step = Config::kRowsPerCopy * p.v_cache.row_stride;
+    auto const k_offset = [&](int row) { return Config::swizzled(row, chunk, Config::kRowBytes); };
+    auto const v_offset = [&](int row) {
+      return Config::kTileBytes + (Config::kFp8 ? uint32_t(row * Config::kRowBytes + chunk * 16) : k_offset(row));
+    };
+    if (first_key + kBlockN <= seq.cache_len) {  // the common block, every row in the cache: no per-row choice
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < Config::kCopiesPerTile; ++i) {
+        int const row = row0 + i * Config::kRowsPerCopy;
+        warp::cp_async_16(stage + k_offset(row), col_valid ? k_cached + i * k_cached_step : cached.k, col_valid);
+        warp::cp_async_16(stage + v_offset(row), col_valid ? v_cached + i * v_cached_step : cached.v, col_valid);
+      }
+      return;
+    }
     Element const* const k_new = static_cast<Element const*>(p.k_new.ptr) + batch * p.k_new.batch_stride +
                                  new_row0 * p.k_new.row_stride + kv_head * p.k_new.head_stride + col;
     Element const* const v_new = static_cast<Element const*>(p.v_new.ptr) + batch * p.v_new.batch_stride +
                                  new_row0 * p.v_new.row_stride + kv_head * p.v_new.head_stride + col;
-    int64_t const k_cached_step = Config::kRowsPerCopy * p.k_cache.row_stride, v_cached_step = Config::kRowsPerCopy * p.v_cache.row_stride;
     int64_t const k_new_step = Config::kRowsPerCopy * p.k_new.row_stride, v_new_step = Config::kRowsPerCopy * p.v_new.row_stride;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < Config::kCopiesPerTile; ++i) {
@@ -197,13 +221,12 @@ struct DecodeKernel {
       // Invalid copies read nothing; they still get an address inside the cache.
       Element const* const k_src = !valid ? cached.k : in_cache ? k_cached + i * k_cached_step : k_new + i * k_new_step;
       Element const* const v_src = !valid ? cached.v : in_cache ? v_cached + i * v_cached_step : v_new + i * v_new_step;
-      uint32_t const offset = row * Config::kRowBytes + ((Config::kFp8 ? chunk : chunk ^ (row % 8)) * 16);
-      warp::cp_async_16(stage + offset, k_src, valid);
-      warp::cp_async_16(stage + Config::kTileBytes + offset, v_src, valid);
+      warp::cp_async_16(stage + k_offset(row), k_src, valid);
+      warp::cp_async_16(stage + v_offset(row), v_src, valid);
     }
   }
 
-  // FP8: one stored 16-key tile (rows in order) widened to fp16 in the layout of the 16-bit tiles. A lane
+  // FP8: V's stored 16-key tile (rows in order) widened to fp16 in the layout of the 16-bit tiles. A lane
   // converts 16-byte chunks: 512 consecutive bytes per warp-wide load, free of bank conflicts.
   __device__ static void widen_tile(uint32_t src, uint32_t dst) {
     int const lane = threadIdx.x % 32;
@@ -213,33 +236,15 @@ struct DecodeKernel {
       uint4 const v = warp::lds_128(src + i * 16);
       uint2 const x = warp::e4m3x4_to_half4(v.x), y = warp::e4m3x4_to_half4(v.y);
       uint2 const z = warp::e4m3x4_to_half4(v.z), w = warp::e4m3x4_to_half4(v.w);
-      uint32_t const row_base = dst + row * Config::kMmaRowBytes;
-      warp::sts_128(row_base + (((2 * chunk) ^ (row % 8)) * 16), make_uint4(x.x, x.y, y.x, y.y));
-      warp::sts_128(row_base + (((2 * chunk + 1) ^ (row % 8)) * 16), make_uint4(z.x, z.y, w.x, w.y));
+      warp::sts_128(dst + Config::swizzled(row, 2 * chunk, Config::kMmaRowBytes), make_uint4(x.x, x.y, y.x, y.y));
+      warp::sts_128(dst + Config::swizzled(row, 2 * chunk + 1, Config::kMmaRowBytes), make_uint4(z.x, z.y, w.x, w.y));
     }
   }
 
-  // Two consecutive values of q as one MMA register (FP8: widened to fp16).
-  __device__ static uint32_t load_q_pair(Element const* src) {
-    if constexpr (Config::kFp8) {
-      return warp::e4m3x2_to_half2(*reinterpret_cast<uint16_t const*>(src));
-    } else {
-      return *reinterpret_cast<uint32_t const*>(src);
-    }
-  }
-  // Eight consecutive values of q as 16 bytes of MMA elements.
-  __device__ static uint4 load_q_eight(Element const* src) {
-    if constexpr (Config::kFp8) {
-      uint2 const v = *reinterpret_cast<uint2 const*>(src);
-      uint2 const lo = warp::e4m3x4_to_half4(v.x), hi = warp::e4m3x4_to_half4(v.y);
-      return make_uint4(lo.x, lo.y, hi.x, hi.y);
-    } else {
-      return *reinterpret_cast<uint4 const*>(src);
-    }
-  }
-
-  // Q's 16 rows as MMA A fragments, (16 x kHeadDim): for each 16-column step, (g, 2c), (g + 8, 2c), (g, 2c + 8),
-  // (g + 8, 2c + 8), two values each. Rows past the call's rows and columns past the head dim are zeros.
+  // Q's 16 rows as fp16/bf16 MMA A fragments, for each 16-column step kk: (g, 2c), (g + 8, 2c), (g, 2c + 8),
+  // (g + 8, 2c + 8), two values each. FP8: widened, and with the columns of each step permuted as K's
+  // fragments come out of its ldmatrix (kk * 16 + 4c, +1 where 2c, +1 would be; 4c + 2, +3 for 2c + 8, +9),
+  // which leaves Q K^T unchanged. Rows past the call's rows and columns past the head dim are zeros.
   __device__ static void load_q(Params const& p, RowTile const& t, int batch, int kv_head,
                                 uint32_t (&q)[kHeadDim / 16][4]) {
     int const lane = threadIdx.x % 32;
@@ -256,26 +261,44 @@ struct DecodeKernel {
     CUTLASS_PRAGMA_UNROLL
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        int const h = i % 2, col = kk * 16 + (i / 2) * 8 + (lane % 4) * 2;
-        q[kk][i] = valid[h] && col < p.headdim ? load_q_pair(rows[h] + col) : 0u;
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (Config::kFp8) {
+          int const col = kk * 16 + (lane % 4) * 4;
+          uint2 const v = valid[h] && col < p.headdim ? warp::e4m3x4_to_half4(*reinterpret_cast<uint32_t const*>(rows[h] + col))
+                                                      : make_uint2(0u, 0u);
+          q[kk][h] = v.x;
+          q[kk][2 + h] = v.y;
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int half = 0; half < 2; ++half) {
+            int const col = kk * 16 + half * 8 + (lane % 4) * 2;
+            q[kk][2 * half + h] = valid[h] && col < p.headdim ? *reinterpret_cast<uint32_t const*>(rows[h] + col) : 0u;
+          }
+        }
       }
     }
   }
 
-  // Q's 16 rows into shared memory (kQInShared), swizzled as K's tiles; rows past the call's rows and columns
-  // past the head dim are zeros.
+  // Q's 16 rows into shared memory (kQInShared) as the 16-bit tile of load_q's fragments (FP8: widened, columns
+  // permuted), swizzled for ldmatrix; rows past the call's rows and columns past the head dim are zeros.
   __device__ static void store_q_shared(Params const& p, RowTile const& t, int batch, int kv_head, char* q_smem) {
     Element const* const base = static_cast<Element const*>(p.q.ptr) + batch * p.q.batch_stride;
-    constexpr int kMmaChunks = kHeadDim / 8;
-    for (int i = threadIdx.x; i < Config::kRows * kMmaChunks; i += blockDim.x) {
-      int const row = i / kMmaChunks, chunk = i % kMmaChunks, r = t.first_row + row;
+    for (int i = threadIdx.x; i < Config::kRows * Config::kChunks; i += blockDim.x) {
+      int const row = i / Config::kChunks, chunk = i % Config::kChunks, r = t.first_row + row;
+      int const col = chunk * Config::kElementsPerChunk;
       uint4 value = make_uint4(0u, 0u, 0u, 0u);
-      if (r < t.rows && chunk * 8 < p.headdim) {
-        value = load_q_eight(base + (r / t.group) * p.q.row_stride + (kv_head * t.group + r % t.group) * p.q.head_stride +
-                             chunk * 8);
+      if (r < t.rows && col < p.headdim) {
+        value = *reinterpret_cast<uint4 const*>(base + (r / t.group) * p.q.row_stride +
+                                                (kv_head * t.group + r % t.group) * p.q.head_stride + col);
       }
-      *reinterpret_cast<uint4*>(q_smem + row * Config::kMmaRowBytes + ((chunk ^ (row % 8)) * 16)) = value;
+      if constexpr (Config::kFp8) {  // 16 columns: 4c, +1 of each 4 to the first 16-bit chunk, 4c + 2, +3 to the second
+        uint2 const x = warp::e4m3x4_to_half4(value.x), y = warp::e4m3x4_to_half4(value.y);
+        uint2 const z = warp::e4m3x4_to_half4(value.z), w = warp::e4m3x4_to_half4(value.w);
+        *reinterpret_cast<uint4*>(q_smem + Config::swizzled(row, 2 * chunk, Config::kMmaRowBytes)) = make_uint4(x.x, y.x, z.x, w.x);
+        *reinterpret_cast<uint4*>(q_smem + Config::swizzled(row, 2 * chunk + 1, Config::kMmaRowBytes)) = make_uint4(x.y, y.y, z.y, w.y);
+      } else {
+        *reinterpret_cast<uint4*>(q_smem + Config::swizzled(row, chunk, Config::kMmaRowBytes)) = value;
+      }
     }
   }
 
@@ -349,6 +372,15 @@ struct DecodeKernel {
     int const k_row = (lane / 16) * 8 + lane % 8, k_chunk_hi = (lane / 8) % 2;
     int const v_row = ((lane / 8) % 2) * 8 + lane % 8, v_chunk_hi = lane / 16;
 
+    // Q's fragments of 16-column step kk, from registers or shared memory.
+    auto const q_fragment = [&](int kk, uint32_t (&a_frag)[4]) {
+      if constexpr (Config::kQInShared) {
+        warp::ldmatrix_x4(a_frag, q_tile + Config::swizzled(q_row, 2 * kk + q_chunk_hi, Config::kMmaRowBytes));
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < 4; ++r) { a_frag[r] = q[kk][r]; }
+      }
+    };
     for (int i = 0; i < my_blocks; ++i) {
       if (i + Config::kStages - 1 < my_blocks) {
         load_block(p, seq, batch, kv_head, my_block(i + Config::kStages - 1), stage_address(i + Config::kStages - 1));
@@ -356,28 +388,32 @@ struct DecodeKernel {
       warp::cp_async_commit();
       warp::cp_async_wait<Config::kStages - 1>();
       __syncwarp();
-      uint32_t k_tile = stage_address(i), v_tile = k_tile + Config::kTileBytes;
-      if constexpr (Config::kFp8) {
-        widen_tile(k_tile, widened);
-        __syncwarp();
-        k_tile = widened;
-      }
+      uint32_t const k_tile = stage_address(i);
+      uint32_t v_tile = k_tile + Config::kTileBytes;
 
       ScoreFrag acc_s;
       cute::clear(acc_s);
       CUTLASS_PRAGMA_UNROLL
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      for (int step = 0; step < Config::kKSteps; ++step) {
+        // K's 16 keys x 32 stored bytes: per key tile (keys 0-7, 8-15), the B fragments of one 16-bit k-step, or
+        // of two e4m3 ones (4 bytes at 4c and at 16 + 4c, each widened to two fp16 pairs: see load_q).
         uint32_t b[4];
-        warp::ldmatrix_x4(b, k_tile + k_row * Config::kMmaRowBytes + (((2 * kk + k_chunk_hi) ^ (k_row % 8)) * 16));
-        uint32_t a_frag[4];
-        if constexpr (Config::kQInShared) {
-          warp::ldmatrix_x4(a_frag, q_tile + q_row * Config::kMmaRowBytes + (((2 * kk + q_chunk_hi) ^ (q_row % 8)) * 16));
-        } else {
+        warp::ldmatrix_x4(b, k_tile + Config::swizzled(k_row, 2 * step + k_chunk_hi, Config::kRowBytes));
+        if constexpr (Config::kFp8) {
           CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < 4; ++i) { a_frag[i] = q[kk][i]; }
+          for (int half = 0; half < 2; ++half) {
+            uint32_t a_frag[4];
+            q_fragment(2 * step + half, a_frag);
+            uint2 const keys_lo = warp::e4m3x4_to_half4(b[half]), keys_hi = warp::e4m3x4_to_half4(b[2 + half]);
+            warp::mma_16816<MmaElement>(acc_s(0), acc_s(1), acc_s(2), acc_s(3), a_frag, keys_lo.x, keys_lo.y);
+            warp::mma_16816<MmaElement>(acc_s(4), acc_s(5), acc_s(6), acc_s(7), a_frag, keys_hi.x, keys_hi.y);
+          }
+        } else {
+          uint32_t a_frag[4];
+          q_fragment(step, a_frag);
+          warp::mma_16816<MmaElement>(acc_s(0), acc_s(1), acc_s(2), acc_s(3), a_frag, b[0], b[1]);
+          warp::mma_16816<MmaElement>(acc_s(4), acc_s(5), acc_s(6), acc_s(7), a_frag, b[2], b[3]);
         }
-        warp::mma_16816<MmaElement>(acc_s(0), acc_s(1), acc_s(2), acc_s(3), a_frag, b[0], b[1]);
-        warp::mma_16816<MmaElement>(acc_s(4), acc_s(5), acc_s(6), acc_s(7), a_frag, b[2], b[3]);
       }
       if (softcap_pre_scale > 0.f) { apply_softcap(acc_s, softcap_pre_scale); }
       int const first_key = my_block(i) * kBlockN;
@@ -388,12 +424,13 @@ struct DecodeKernel {
       }
       auto const correction = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/true>(acc_s);
       softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/true>(acc_s);
-      softmax.rescale_o(acc_o, correction);
+      // After the first blocks a row's max rarely moves: O's rescale (kHeadDim / 2 multiplies per thread) is
+      // skipped when it would multiply every row of the warp by 1.
+      if (!__all_sync(0xffffffffu, correction(0) == 1.f && correction(1) == 1.f)) { softmax.rescale_o(acc_o, correction); }
 
       uint32_t const a[4] = {warp::pack_2<MmaElement>(acc_s(0), acc_s(1)), warp::pack_2<MmaElement>(acc_s(2), acc_s(3)),
                              warp::pack_2<MmaElement>(acc_s(4), acc_s(5)), warp::pack_2<MmaElement>(acc_s(6), acc_s(7))};
       if constexpr (Config::kFp8) {
-        __syncwarp();  // every lane's ldmatrix of K's widened tile is done
         widen_tile(v_tile, widened);
         __syncwarp();
         v_tile = widened;
@@ -401,7 +438,7 @@ struct DecodeKernel {
       CUTLASS_PRAGMA_UNROLL
       for (int nd = 0; nd < kHeadDim / 16; ++nd) {
         uint32_t b[4];
-        warp::ldmatrix_x4_trans(b, v_tile + v_row * Config::kMmaRowBytes + (((2 * nd + v_chunk_hi) ^ (v_row % 8)) * 16));
+        warp::ldmatrix_x4_trans(b, v_tile + Config::swizzled(v_row, 2 * nd + v_chunk_hi, Config::kMmaRowBytes));
         warp::mma_16816<MmaElement>(acc_o(8 * nd), acc_o(8 * nd + 1), acc_o(8 * nd + 2), acc_o(8 * nd + 3), a, b[0], b[1]);
         warp::mma_16816<MmaElement>(acc_o(8 * nd + 4), acc_o(8 * nd + 5), acc_o(8 * nd + 6), acc_o(8 * nd + 7), a, b[2], b[3]);
       }

@@ -1,8 +1,9 @@
 """Decode kernels of variant builds side by side in one process (graph replay, do_bench median, us), with SDPA
-cuDNN on the same cache: b, 1 query, cache L, h32/kv8, d128 bf16, num_splits from each build's heuristic.
+cuDNN on the same cache: b, 1 query, cache L, h32/kv8, d128, num_splits from each build's heuristic.
+--dtype e4m3 runs the FP8 kernels on the same q and caches cast to e4m3 (descales of 1; cuDNN keeps bf16).
 Outputs are compared with the main build's (max abs difference).
 
-    PYTHONPATH=$PWD python3 scripts/ab_decode.py --variants w8,s5 [--shapes 8x512,8x4096]
+    PYTHONPATH=$PWD python3 scripts/ab_decode.py --variants w8,s5 [--shapes 8x512,8x4096] [--dtype e4m3]
 """
 import argparse
 import importlib
@@ -21,6 +22,7 @@ def main():
     p.add_argument("--variants", default="")
     p.add_argument("--shapes", default="1x512,1x4096,8x512,8x4096,1x32768,64x512,8x32768")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dtype", choices=("bf16", "e4m3"), default="bf16")
     a = p.parse_args()
     ops = {"main": torch.ops.flash_ext}
     for name in filter(None, a.variants.split(",")):
@@ -30,7 +32,8 @@ def main():
     for shape in a.shapes.split(","):
         b, L = (int(x) for x in shape.split("x"))
         q, kc, vc, lens = decode_inputs(b, 1, L)
-        calls = {n: (lambda ns=ns: ns.decode(q, kc, vc, None, None, lens, None, None, 1 / math.sqrt(128), False, -1, -1,
+        q8, kc8, vc8 = (x.to(torch.float8_e4m3fn) for x in (q, kc, vc)) if a.dtype == "e4m3" else (q, kc, vc)
+        calls = {n: (lambda ns=ns: ns.decode(q8, kc8, vc8, None, None, lens, None, None, 1 / math.sqrt(128), False, -1, -1,
                                              0.0, 0)) for n, ns in ops.items()}
         replays = {n: _graphed(fn) for n, fn in calls.items()}
         times = {n: [] for n in ops}
