@@ -176,37 +176,64 @@ struct DecodeKernel {
     }
   }
 
+  // This lane's K and V sources at key 0 of a contiguous cache's entry (row lane / kChunks of a block, its
+  // column, or column 0 past the head dim, where copies read nothing), so that a block wholly in the cache costs
+  // a multiply-add; nullptr for a paged cache, whose blocks each look up their page.
+  struct LaneSource {
+    Element const* k;
+    Element const* v;
+
+    __device__ static LaneSource make(Params const& p, DecodeSequence const& seq, int kv_head) {
+      if (p.page_table != nullptr) return {nullptr, nullptr};
+      int const lane = threadIdx.x % 32, chunk = lane % Config::kChunks, row = lane / Config::kChunks;
+      int const col = chunk * Config::kElementsPerChunk < p.headdim ? chunk * Config::kElementsPerChunk : 0;
+      auto const at = [&](StridedTensor const& t) {
+        return static_cast<Element const*>(t.ptr) + seq.entry * t.batch_stride + row * t.row_stride +
+               kv_head * t.head_stride + col;
+      };
+      return {at(p.k_cache), at(p.v_cache)};
+    }
+  };
+
   // Issues the cp.async copies of one 16-key block (K then V) into a stage: rows past the sequence and
   // columns past the head dim become zeros. Rows are swizzled for ldmatrix (Config::swizzled), except FP8 V's,
   // which stay in order (widen_tile reads them).
-  __device__ static void load_block(Params const& p, DecodeSequence const& seq, int batch, int kv_head, int block,
-                                    uint32_t stage) {
+  __device__ static void load_block(Params const& p, DecodeSequence const& seq, LaneSource const& lane_source, int batch,
+                                    int kv_head, int block, uint32_t stage) {
     int const lane = threadIdx.x % 32;
     int const first_key = block * kBlockN;
     int const chunk = lane % Config::kChunks;
     bool const col_valid = chunk * Config::kElementsPerChunk < p.headdim;
-    CacheBlock<Element> const cached = CacheBlock<Element>::make(p, seq, batch, kv_head, min(first_key, p.seqlen_k - 1));
     // Row lane / kChunks of the block, in the cache and (for the keys past cache_len) in k_new / v_new; each
     // copy steps kRowsPerCopy rows further.
     int const row0 = lane / Config::kChunks;
-    int64_t const new_row0 = int64_t(first_key + row0 - seq.cache_len);
     int const col = chunk * Config::kElementsPerChunk;
-    Element const* const k_cached = cached.k + row0 * p.k_cache.row_stride + col;
-    Element const* const v_cached = cached.v + row0 * p.v_cache.row_stride + col;
     int64_t const k_cached_step = Config::kRowsPerCopy * p.k_cache.row_stride, v_cached_step = Config::kRowsPerCopy * p.v_cache.row_stride;
     auto const k_offset = [&](int row) { return Config::swizzled(row, chunk, Config::kRowBytes); };
     auto const v_offset = [&](int row) {
       return Config::kTileBytes + (Config::kFp8 ? uint32_t(row * Config::kRowBytes + chunk * 16) : k_offset(row));
     };
-    if (first_key + kBlockN <= seq.cache_len) {  // the common block, every row in the cache: no per-row choice
+    if (first_key + kBlockN <= seq.cache_len) {  // the common block: every row in the cache, no per-row choice
+      Element const* k_src = lane_source.k + first_key * p.k_cache.row_stride;
+      Element const* v_src = lane_source.v + first_key * p.v_cache.row_stride;
+      if (lane_source.k == nullptr) {  // a paged cache: the block's page
+        CacheBlock<Element> const cached = CacheBlock<Element>::make(p, seq, batch, kv_head, first_key);
+        int const lane_col = col_valid ? col : 0;
+        k_src = cached.k + row0 * p.k_cache.row_stride + lane_col;
+        v_src = cached.v + row0 * p.v_cache.row_stride + lane_col;
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < Config::kCopiesPerTile; ++i) {
         int const row = row0 + i * Config::kRowsPerCopy;
-        warp::cp_async_16(stage + k_offset(row), col_valid ? k_cached + i * k_cached_step : cached.k, col_valid);
-        warp::cp_async_16(stage + v_offset(row), col_valid ? v_cached + i * v_cached_step : cached.v, col_valid);
+        warp::cp_async_16(stage + k_offset(row), k_src + i * k_cached_step, col_valid);
+        warp::cp_async_16(stage + v_offset(row), v_src + i * v_cached_step, col_valid);
       }
       return;
     }
+    CacheBlock<Element> const cached = CacheBlock<Element>::make(p, seq, batch, kv_head, min(first_key, p.seqlen_k - 1));
+    int64_t const new_row0 = int64_t(first_key + row0 - seq.cache_len);
+    Element const* const k_cached = cached.k + row0 * p.k_cache.row_stride + col;
+    Element const* const v_cached = cached.v + row0 * p.v_cache.row_stride + col;
     Element const* const k_new = static_cast<Element const*>(p.k_new.ptr) + batch * p.k_new.batch_stride +
                                  new_row0 * p.k_new.row_stride + kv_head * p.k_new.head_stride + col;
     Element const* const v_new = static_cast<Element const*>(p.v_new.ptr) + batch * p.v_new.batch_stride +
@@ -327,9 +354,10 @@ struct DecodeKernel {
     uint32_t const pipeline = warp::smem_address(smem) + warp_idx * Config::kWarpBytes;
     uint32_t const widened = pipeline + Config::kStages * Config::kStageBytes;  // FP8 only
     auto stage_address = [&](int i) { return pipeline + (i % Config::kStages) * Config::kStageBytes; };
+    LaneSource const lane_source = LaneSource::make(p, seq, kv_head);
     CUTLASS_PRAGMA_UNROLL
     for (int s = 0; s < Config::kStages - 1; ++s) {
-      if (s < my_blocks) { load_block(p, seq, batch, kv_head, my_block(s), stage_address(s)); }
+      if (s < my_blocks) { load_block(p, seq, lane_source, batch, kv_head, my_block(s), stage_address(s)); }
       warp::cp_async_commit();
     }
 
@@ -353,6 +381,7 @@ struct DecodeKernel {
       visible_lo[h] = p.options.window_left >= 0 ? pos - p.options.window_left : 0;
       visible_hi[h] = p.options.window_right >= 0 ? min(pos + p.options.window_right, seq.total - 1) : seq.total - 1;
     }
+    int const visible_lo_max = max(visible_lo[0], visible_lo[1]), visible_hi_min = min(visible_hi[0], visible_hi[1]);
     // FP8: q_descale * k_descale scale the scores (in tanh's argument with softcap), v_descale the output.
     float softmax_scale_log2 = p.softmax_scale_log2, softcap_pre_scale = p.softcap_pre_scale, v_scale = 1.f;
     if constexpr (Config::kFp8) {
@@ -383,7 +412,8 @@ struct DecodeKernel {
     };
     for (int i = 0; i < my_blocks; ++i) {
       if (i + Config::kStages - 1 < my_blocks) {
-        load_block(p, seq, batch, kv_head, my_block(i + Config::kStages - 1), stage_address(i + Config::kStages - 1));
+        load_block(p, seq, lane_source, batch, kv_head, my_block(i + Config::kStages - 1),
+                   stage_address(i + Config::kStages - 1));
       }
       warp::cp_async_commit();
       warp::cp_async_wait<Config::kStages - 1>();
@@ -417,10 +447,12 @@ struct DecodeKernel {
       }
       if (softcap_pre_scale > 0.f) { apply_softcap(acc_s, softcap_pre_scale); }
       int const first_key = my_block(i) * kBlockN;
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < 8; ++e) {
-        int const key = first_key + (e / 4) * 8 + (lane % 4) * 2 + e % 2, h = (e / 2) % 2;
-        if (key < visible_lo[h] || key > visible_hi[h]) { acc_s(e) = -INFINITY; }
+      if (first_key < visible_lo_max || first_key + kBlockN - 1 > visible_hi_min) {  // a block at an edge
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < 8; ++e) {
+          int const key = first_key + (e / 4) * 8 + (lane % 4) * 2 + e % 2, h = (e / 2) % 2;
+          if (key < visible_lo[h] || key > visible_hi[h]) { acc_s(e) = -INFINITY; }
+        }
       }
       auto const correction = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/true>(acc_s);
       softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/true>(acc_s);
