@@ -338,6 +338,7 @@ struct DecodeKernel {
                        p.nheads / p.nheads_kv};
     DecodeSequence const seq = DecodeSequence::make(p, batch);
     if (p.seqlen_new > 0 && split == 0 && tile.first_row == 0) { append_new(p, seq, batch, kv_head); }
+    allow_dependent_launch();  // the split combine (split_combine.h) may start launching: it waits for this grid
 
     // This split's blocks of 16 keys, and this warp's share: every warps-th block.
     int const warps = blockDim.x / 32;

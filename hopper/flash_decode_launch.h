@@ -92,9 +92,19 @@ struct DecodeLauncher {
     dim3 const grid(params.num_splits, row_tiles(p) * p.nheads_kv, p.batch);
     device_kernel<Kernel><<<grid, how.warps * 32, Config::shared_bytes(how.warps), stream>>>(params);
     FLASH_CUDA_CHECK(cudaGetLastError());
-    if (params.num_splits > 1) {
+    if (params.num_splits > 1) {  // a programmatic dependent launch: it overlaps the decode kernel's tail
       using Combine = SplitCombine<typename Config::OutElement>;
-      launch_kernel<Combine>(Combine::grid(params), params, device, stream);
+      static_assert(Combine::kSharedStorageBytes == 0);
+      cudaLaunchAttribute dependent{};
+      dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      dependent.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim = Combine::grid(params);
+      config.blockDim = dim3(Combine::kNumThreads);
+      config.stream = stream;
+      config.attrs = &dependent;
+      config.numAttrs = 1;
+      FLASH_CUDA_CHECK(cudaLaunchKernelEx(&config, &device_kernel<Combine>, params));
     }
   }
 };

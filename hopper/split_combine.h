@@ -77,7 +77,13 @@ struct SplitOutput {
   }
 };
 
-// Merges the splits' parts: one warp per output row (b, t, h).
+// Programmatic dependent launch (the combine after the decode kernel): the decode kernel's CTAs let the
+// combine's launch begin once they all run; the combine waits for the decode grid's completion and memory.
+__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void wait_for_primary_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+// Merges the splits' parts: one warp per output row (b, t, h). Launched as a programmatic dependent of the
+// decode kernel (flash_decode_launch.h), so its launch overlaps the decode kernel's tail.
 template <class Element>
 struct SplitCombine {
   using Params = DecodeParams;
@@ -92,6 +98,7 @@ struct SplitCombine {
   }
 
   static __device__ void run(Params const& p, char*) {
+    wait_for_primary_grid();  // the parts are the decode kernel's
     int const lane = threadIdx.x % 32;
     int64_t const row = int64_t(blockIdx.x) * kRowsPerCta + threadIdx.x / 32;
     if (row >= int64_t(p.batch) * p.seqlen_q * p.nheads) return;
