@@ -131,7 +131,6 @@ def _extension():
         "--expt-extended-lambda",
         "--use_fast_math",
         "-lineinfo",
-        "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
         "-DCUTLASS_ENABLE_GDC_FOR_SM90",
         "-U__CUDA_NO_HALF_OPERATORS__",
         "-U__CUDA_NO_HALF_CONVERSIONS__",

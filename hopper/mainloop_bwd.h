@@ -21,6 +21,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "flash.h"
+#include "gmma_select.h"
 #include "layouts.h"
 #include "mask.h"
 #include "softcap.h"
@@ -48,11 +49,11 @@ struct BwdMainloop {
 
   // S^T = K Q^T and dP^T = V dO^T: (keys, queries) over the head dim, split over the warpgroups by keys.
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+      ss_gmma<Element, ElementAccum, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
       Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
   // dV += P^T dO and dK += dS^T Q: (keys, head dim) over the queries; A from registers, B MN-major.
   using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+      rs_gmma<Element, ElementAccum, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
   // dQ = dS K: (queries, head dim) over the keys, both operands MN-major; the warpgroups split the head dim.
@@ -63,12 +64,12 @@ struct BwdMainloop {
   static constexpr auto make_tiled_mma_dq() {
     if constexpr (kDqTransposed) {
       return make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kHeadDimPerWarpGroup>, Int<kBlockM>, Int<kBlockN>>,
+          ss_gmma<Element, ElementAccum, Shape<Int<kHeadDimPerWarpGroup>, Int<kBlockM>, Int<kBlockN>>,
                                GMMA::Major::MN, GMMA::Major::MN>(),
           Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{});
     } else {
       return make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDimPerWarpGroup>, Int<kBlockN>>,
+          ss_gmma<Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDimPerWarpGroup>, Int<kBlockN>>,
                                GMMA::Major::MN, GMMA::Major::MN>(),
           Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{});
     }

@@ -20,6 +20,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "flash.h"
+#include "gmma_select.h"
 #include "layouts.h"
 #include "mask.h"
 #include "softcap.h"
@@ -48,12 +49,12 @@ struct BwdMainloopHeadSplit {
 
   // S = Q K^T and dP = dO V^T: (queries, keys) over the head dim; the warpgroups split the keys.
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kBlockN / kNumMmaWarpGroups>, Int<kHeadDim>>>(),
+      ss_gmma<Element, ElementAccum, Shape<Int<kBlockM>, Int<kBlockN / kNumMmaWarpGroups>, Int<kHeadDim>>>(),
       Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
   // dV^T += dO^T P and dK^T += Q^T dS: (head dim, keys) over the queries, both operands MN-major; the
   // warpgroups split the head dim.
   using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kBlockM>>,
+      ss_gmma<Element, ElementAccum, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kBlockM>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
   // dQ = dS K: (queries, head dim) over the keys; dS K-major, K^T MN-major; one slice of the head dim per
@@ -62,7 +63,7 @@ struct BwdMainloopHeadSplit {
   static constexpr int kDqSliceCols = kHeadDim / kDqSlices;
   static_assert(kDqSliceCols % (64 * kNumMmaWarpGroups) == 0);
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kDqSliceCols / kNumMmaWarpGroups>, Int<kBlockN>>,
+      ss_gmma<Element, ElementAccum, Shape<Int<kBlockM>, Int<kDqSliceCols / kNumMmaWarpGroups>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
   static constexpr bool kDqTransposed = false;

@@ -23,6 +23,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "flash.h"
+#include "gmma_select.h"
 #include "mask.h"
 #include "layouts.h"
 #include "softcap.h"
@@ -52,14 +53,14 @@ struct FwdMainloop {
   using TileShapeMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
   // GEMM0: S = Q K^T, both operands from shared memory, K-major.
-  using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, ElementAccum, TileShapeMNK>(),
+  using TiledMmaQK = decltype(make_tiled_mma(ss_gmma<Element, ElementAccum, TileShapeMNK>(),
                                              AtomLayoutMNK{}));
   // GEMM1: O += P V, P from registers. 16-bit V is stored as loaded (head dim contiguous) and read
   // MN-major as V^T; 8-bit GMMA takes K-major operands only, so FP8 transposes V in shared memory.
   static constexpr bool kTransposeV = sizeof(Element) == 1;
   static constexpr GMMA::Major kVMajor = kTransposeV ? GMMA::Major::K : GMMA::Major::MN;
   using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>,
+      rs_gmma<Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, kVMajor>(),
       AtomLayoutMNK{}));
 
