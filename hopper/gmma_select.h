@@ -10,38 +10,44 @@
 
 namespace flash {
 
-// A and B in shared memory.
-template <class Element, class ElementAccum, class TileShapeMNK, cute::SM90::GMMA::Major MajorA = cute::SM90::GMMA::Major::K,
-          cute::SM90::GMMA::Major MajorB = cute::SM90::GMMA::Major::K>
-constexpr auto ss_gmma() {
+// CuTe's base operation, if it is one instruction of width kN (its selector would otherwise split the tile).
+template <int kN, class Op>
+constexpr Op one_instruction(Op op) {
+  static_assert(int(cute::size<1>(typename cute::MMA_Traits<Op>::Shape_MNK{})) == kN,
+                "no wgmma of this tile width: add it to hopper/generate_gmma.py");
+  return op;
+}
+
+// kARegisters: A in registers (K-major; the RS form), else in shared memory (SS); B in shared memory.
+template <bool kARegisters, class Element, class ElementAccum, class TileShapeMNK, cute::SM90::GMMA::Major MajorA,
+          cute::SM90::GMMA::Major MajorB>
+constexpr auto select_gmma() {
   static_assert(std::is_same_v<ElementAccum, float>, "the kernels accumulate in fp32");
   constexpr int kN = int(cute::size<1>(TileShapeMNK{}));
   using Extended = gmma_extended::Extended<Element, kN, MajorA, MajorB>;
+  namespace GMMA = cute::SM90::GMMA;
   if constexpr (Extended::kDefined) {
-    return typename Extended::Ss{};
+    if constexpr (kARegisters) {
+      return typename Extended::Rs{};
+    } else {
+      return typename Extended::Ss{};
+    }
+  } else if constexpr (kARegisters) {
+    return one_instruction<kN>(GMMA::rs_op_selector<Element, Element, ElementAccum, TileShapeMNK, MajorA, MajorB>());
   } else {
-    using Op = decltype(cute::SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, TileShapeMNK, MajorA, MajorB>());
-    static_assert(int(cute::size<1>(typename cute::MMA_Traits<Op>::Shape_MNK{})) == kN,
-                  "no wgmma of this tile width: add it to hopper/generate_gmma.py");
-    return Op{};
+    return one_instruction<kN>(GMMA::ss_op_selector<Element, Element, ElementAccum, TileShapeMNK, MajorA, MajorB>());
   }
 }
 
-// A in registers (K-major), B in shared memory.
+template <class Element, class ElementAccum, class TileShapeMNK, cute::SM90::GMMA::Major MajorA = cute::SM90::GMMA::Major::K,
+          cute::SM90::GMMA::Major MajorB = cute::SM90::GMMA::Major::K>
+constexpr auto ss_gmma() {
+  return select_gmma</*kARegisters=*/false, Element, ElementAccum, TileShapeMNK, MajorA, MajorB>();
+}
 template <class Element, class ElementAccum, class TileShapeMNK, cute::SM90::GMMA::Major MajorA = cute::SM90::GMMA::Major::K,
           cute::SM90::GMMA::Major MajorB = cute::SM90::GMMA::Major::K>
 constexpr auto rs_gmma() {
-  static_assert(std::is_same_v<ElementAccum, float>, "the kernels accumulate in fp32");
-  constexpr int kN = int(cute::size<1>(TileShapeMNK{}));
-  using Extended = gmma_extended::Extended<Element, kN, MajorA, MajorB>;
-  if constexpr (Extended::kDefined) {
-    return typename Extended::Rs{};
-  } else {
-    using Op = decltype(cute::SM90::GMMA::rs_op_selector<Element, Element, ElementAccum, TileShapeMNK, MajorA, MajorB>());
-    static_assert(int(cute::size<1>(typename cute::MMA_Traits<Op>::Shape_MNK{})) == kN,
-                  "no wgmma of this tile width: add it to hopper/generate_gmma.py");
-    return Op{};
-  }
+  return select_gmma</*kARegisters=*/true, Element, ElementAccum, TileShapeMNK, MajorA, MajorB>();
 }
 
 }  // namespace flash
