@@ -1,13 +1,16 @@
 // The forward epilogue collective: O (fp32 registers) -> ElementOut -> shared memory (stmatrix) -> one
 // TMA store of the tile (rows past seqlen_q and columns past the real head dim are clipped by the TMA
-// unit); LSE straight from registers, one thread per row.
+// unit); or, where no shared memory is free for O, straight from registers to global memory; LSE straight
+// from registers, one thread per row.
 //
-// The staging buffer is the epilogue's own, one the mainloop lends until the store has read it (V's last
-// stage: the kernel hands that back itself), or Q's (which no GEMM reads once the tile's last S is
-// computed). With kAsyncStore (the first two) the tile ends without waiting for its store: an own buffer is
-// waited for at the next tile's store. release_input_buffer() (Q's) is called by one thread once the
-// consumers are past the mainloop and, when Q's buffer stages O, once the TMA store has read it: from then
-// on the producer may load the next tile's Q.
+// How O leaves (OStore): staged in a buffer the tile ends without waiting for (kTmaAsync: the epilogue's
+// own, waited for at the next tile's store, or one the mainloop lends until the store has read it, V's last
+// stage, which the kernel hands back itself); staged in Q's buffer (kTmaWaited: no GEMM reads Q once the
+// tile's last S is computed, but the next Q waits for the store); or written by each thread (kDirect: 4-byte
+// stores of two adjacent columns, bounds checked per row and column; persistent kernels with no buffer to
+// spare, whose next Q then waits for nothing). release_input_buffer() (Q's) is called by one thread once
+// the consumers are past the mainloop and, when Q's buffer stages O, once the TMA store has read it: from
+// then on the producer may load the next tile's Q.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -24,8 +27,12 @@ namespace flash {
 
 using namespace cute;
 
-template <class ElementOut, int kBlockM, int kHeadDim, class TiledMmaPV, int kNumMmaThreads, bool kAsyncStore>
+enum class OStore { kTmaWaited, kTmaAsync, kDirect };
+
+template <class ElementOut, int kBlockM, int kHeadDim, class TiledMmaPV, int kNumMmaThreads, OStore kOStore>
 struct FwdEpilogue {
+  static constexpr bool kAsyncStore = kOStore == OStore::kTmaAsync;
+  static constexpr bool kDirect = kOStore == OStore::kDirect;
   using TileShapeMD = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using SmemLayoutO = decltype(smem_layout_k_major<ElementOut>(TileShapeMD{}));
   static constexpr int kSmemBytes = int(cosize_v<SmemLayoutO> * sizeof(ElementOut));
@@ -41,6 +48,7 @@ struct FwdEpilogue {
   struct Params {
     GmemShape shape_o;
     TmaO tma_o;
+    GmemTensor o;  // the same rows without the TMA unit (kDirect)
     float* lse;  // (batch, nheads, seqlen_q); varlen (nheads, total_q)
     Sequences seqs;
   };
@@ -48,7 +56,7 @@ struct FwdEpilogue {
   static Params to_params(FwdParams const& p, SeqInfo const* packed) {
     auto const mO = make_gmem_rows<ElementOut>(p.o, p.seqlen_q, p.headdim, p.nheads, p.batch, p.varlen.enabled(),
                                                p.varlen.total_q);
-    return {mO.shape(), make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, TileShapeMD{}, _1{}), p.lse,
+    return {mO.shape(), make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, TileShapeMD{}, _1{}), mO, p.lse,
             Sequences::make(p, packed)};
   }
 
@@ -58,11 +66,59 @@ struct FwdEpilogue {
   __device__ static void store(Params const& params, ElementOut* smem_o, TileCoord const& tile, SeqInfo const& seq, int thread_idx,
                                FragO const& tOrO, FragLse const& lse, ReleaseInputBuffer&& release_input_buffer) {
     int const m_block = tile.block;
-    Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
-
     Tensor tOrO_out = make_tensor_like<ElementOut>(tOrO);
     convert_into(tOrO, tOrO_out);
+    TiledMmaPV tiled_mma_pv;
+    auto thread_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+    // Each value's (row, column) in the tile, as rows x columns of this thread's fragment.
+    Tensor coords = thread_mma_pv.partition_C(make_identity_tensor(TileShapeMD{}));
+    Tensor coords_rc = make_tensor(coords.data(), acc_layout_rowcol(coords.layout()));
+    static_assert(decltype(size<0>(coords_rc))::value == decltype(size(lse))::value);
 
+    if constexpr (kDirect) {
+      // Every consumer warpgroup is past its last GEMM0: the next tile's Q may land while O is written.
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
+      if (thread_idx == 0) { release_input_buffer(); }
+      Tensor mO = sequence_slice(params.o, params.seqs.q_rows(seq, tile.batch), tile.head);
+      Tensor gO = local_tile(mO, TileShapeMD{}, make_coord(m_block, _0{}));
+      Tensor tOgO = thread_mma_pv.partition_C(gO);
+      Tensor gO_rc = make_tensor(tOgO.data(), acc_layout_rowcol(tOgO.layout()));
+      Tensor out_rc = make_tensor(tOrO_out.data(), acc_layout_rowcol(tOrO_out.layout()));
+      // A thread holds columns 8j + 2t, 8j + 2t + 1 of its rows (t = its lane in the quad, j = 0 .. d/8 - 1).
+      // Written as they lie, 4 bytes per store, they made 512-key tiles 10-17% slower than a TMA store of O
+      // (perf-notes section 28): the quad transposes each 4 x 4 block of 32-bit words instead, so that thread
+      // t holds the 8 columns 8(4g + t) .. + 7 and writes them as one 16-byte store (the head dim is a
+      // multiple of 8; row stride and base are 16-byte aligned, as the TMA loads require).
+      constexpr int kWords = decltype(size<1>(out_rc))::value / 2;  // 32-bit words (column pairs) per row
+      static_assert(kWords % 4 == 0);
+      int const headdim = get<1>(params.shape_o);
+      int const quad_lane = thread_idx % 4;
+      CUTLASS_PRAGMA_UNROLL
+      for (int mi = 0; mi < size<0>(out_rc); ++mi) {
+        bool const row_in = m_block * kBlockM + int(get<0>(coords_rc(mi, 0))) < seq.seqlen_q;
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < kWords / 4; ++g) {
+          uint32_t in[4], out[4];
+          CUTLASS_PRAGMA_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            cutlass::Array<ElementOut, 2> pair;
+            pair[0] = out_rc(mi, 2 * (4 * g + u));
+            pair[1] = out_rc(mi, 2 * (4 * g + u) + 1);
+            in[u] = reinterpret_cast<uint32_t const&>(pair);
+          }
+          quad_transpose(in, out, quad_lane);
+          int const col = int(get<1>(coords_rc(mi, 2 * 4 * g))) + 6 * quad_lane;  // 8(4g + t): own column 8 * 4g + 2t
+          if (row_in && col < headdim) {
+            auto* dst = reinterpret_cast<uint4*>(&gO_rc(mi, 2 * 4 * g) + 6 * quad_lane);
+            *dst = make_uint4(out[0], out[1], out[2], out[3]);
+          }
+        }
+      }
+      store_lse(params, tile, seq, coords_rc, lse);
+      return;
+    }
+
+    Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
     auto smem_tiled_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, ElementOut>{}, TiledMmaPV{});
     auto smem_thread_copy_o = smem_tiled_copy_o.get_thread_slice(thread_idx);
     Tensor taccOrO = smem_thread_copy_o.retile_S(tOrO_out);
@@ -80,18 +136,7 @@ struct FwdEpilogue {
     copy(smem_tiled_copy_o, taccOrO, taccOsO);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA unit
 
-    // LSE: the thread holding column 0 of a row writes it.
-    TiledMmaPV tiled_mma_pv;
-    auto thread_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-    Tensor coords = thread_mma_pv.partition_C(make_identity_tensor(TileShapeMD{}));
-    Tensor coords_rc = make_tensor(coords.data(), acc_layout_rowcol(coords.layout()));
-    static_assert(decltype(size<0>(coords_rc))::value == decltype(size(lse))::value);
-    float* lse_row0 = params.lse + params.seqs.lse_row0(seq, tile.batch, tile.head);
-    CUTLASS_PRAGMA_UNROLL
-    for (int mi = 0; mi < size(lse); ++mi) {
-      int const row = m_block * kBlockM + int(get<0>(coords_rc(mi, 0)));
-      if (int(get<1>(coords_rc(mi, 0))) == 0 && row < seq.seqlen_q) { lse_row0[row] = lse(mi); }
-    }
+    store_lse(params, tile, seq, coords_rc, lse);
 
     cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
     if (thread_idx == 0) {
@@ -107,9 +152,36 @@ struct FwdEpilogue {
     }
   }
 
+  // out[u] = in[t] of quad lane u, for the quad lane t of this thread (a 4 x 4 transpose across the quad): the
+  // word for lane t ^ r travels in round r, chosen and placed with selects (registers cannot be indexed).
+  __device__ static void quad_transpose(uint32_t const (&in)[4], uint32_t (&out)[4], int t) {
+    auto pick = [&](int i) { return i == 0 ? in[0] : i == 1 ? in[1] : i == 2 ? in[2] : in[3]; };
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      int const partner = t ^ r;
+      uint32_t const v = r == 0 ? pick(t) : __shfl_xor_sync(0xffffffff, pick(partner), r);
+      CUTLASS_PRAGMA_UNROLL
+      for (int u = 0; u < 4; ++u) {
+        if (u == partner) { out[u] = v; }
+      }
+    }
+  }
+
+  // LSE: the thread holding column 0 of a row writes it.
+  template <class Coords, class FragLse>
+  __device__ static void store_lse(Params const& params, TileCoord const& tile, SeqInfo const& seq, Coords const& coords_rc,
+                                   FragLse const& lse) {
+    float* lse_row0 = params.lse + params.seqs.lse_row0(seq, tile.batch, tile.head);
+    CUTLASS_PRAGMA_UNROLL
+    for (int mi = 0; mi < size(lse); ++mi) {
+      int const row = tile.block * kBlockM + int(get<0>(coords_rc(mi, 0)));
+      if (int(get<1>(coords_rc(mi, 0))) == 0 && row < seq.seqlen_q) { lse_row0[row] = lse(mi); }
+    }
+  }
+
   // Shared memory must outlive the TMA unit's reads of the last tile's O.
   __device__ static void finish(int thread_idx) {
-    if (thread_idx == 0) { tma_store_wait<0>(); }
+    if (!kDirect && thread_idx == 0) { tma_store_wait<0>(); }
   }
 };
 

@@ -28,12 +28,13 @@ using namespace cute;
 //
 // Persistent CTAs (one per SM, looping over tiles) hide the fixed per-tile costs that dominate short
 // sequences: the producer loads the next tile's first K/V block and Q while the consumers run the epilogue.
-// That needs O staged where it does not hold up the next Q: a buffer of its own where one fits beside the
-// mainloop's storage, else (non-causal 16-bit, kBlockN >= kBlockM) the V stage the tile's last GEMM1 read
-// (the next tile's first K/V block goes to the other stage; the consumers hand this one back once the store
-// has read it). FP8 keeps one tile per CTA: its V^T buffer leaves no room. Causal tiles differ in length:
-// persistent causal CTAs draw tiles from a counter, longest first over groups of heads (tile_scheduler.h),
-// so the SMs finish together; non-causal ones walk equal tiles statically.
+// That needs O to leave without holding up the next Q: staged in a buffer of its own where one fits beside
+// the mainloop's storage, else (non-causal 16-bit, kBlockN >= kBlockM) in the V stage the tile's last GEMM1
+// read (the next tile's first K/V block goes to the other stage; the consumers hand this one back once the
+// store has read it), else (d192) written from registers straight to global memory. FP8 keeps one tile per
+// CTA (its transposing warps walk one tile), and so does d256 (persistence measured within noise there).
+// Causal tiles differ in length: persistent causal CTAs draw tiles from a counter, longest first over groups
+// of heads (tile_scheduler.h), so the SMs finish together; non-causal ones walk equal tiles statically.
 //
 // Long sequences run one CTA per tile with straight-line code, a kernel of its own: the tile loop (and the
 // producer registers it needs) cost 2-5% there, and persistence gains nothing once a tile has many blocks.
@@ -42,13 +43,21 @@ struct FwdLaunchPolicy {
   using Mainloop = FwdMainloop<Config>;
   static constexpr int kSmemLimit = 227 * 1024;
   using EpilogueAsync = FwdEpilogue<typename Config::ElementOut, Config::kBlockM, Config::kHeadDim,
-                                    typename Mainloop::TiledMmaPV, Mainloop::kNumMmaThreads, /*kAsyncStore=*/true>;
+                                    typename Mainloop::TiledMmaPV, Mainloop::kNumMmaThreads, OStore::kTmaAsync>;
+#ifndef FLASH_EXT_FORCE_DIRECT_O  // variant builds (A/B): every 16-bit kernel gets a persistent form writing O directly
+#define FLASH_EXT_FORCE_DIRECT_O 0
+#endif
   static constexpr bool kOwnOBuffer =
-      !Mainloop::kTransposeV &&
+      !FLASH_EXT_FORCE_DIRECT_O && !Mainloop::kTransposeV &&
       int(sizeof(typename Mainloop::TensorStorage)) + EpilogueAsync::kSmemBytes + 1024 <= kSmemLimit;
-  static constexpr bool kOInVStage = !kOwnOBuffer && !Mainloop::kTransposeV && !Config::kIsCausal &&
-                                     EpilogueAsync::kSmemBytes <= Mainloop::kSmemBytesVStage;
-  static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage;
+  static constexpr bool kOInVStage = !FLASH_EXT_FORCE_DIRECT_O && !kOwnOBuffer && !Mainloop::kTransposeV &&
+                                     !Config::kIsCausal && EpilogueAsync::kSmemBytes <= Mainloop::kSmemBytesVStage;
+  // O written from registers (FwdEpilogue, OStore::kDirect): d192, +5-10% at 512 keys and +1-6% at 1k over one
+  // CTA per tile. d256 only within noise (+1.5-2% at 512, -2% at 1k; its persistent consumers spill 36 bytes):
+  // no persistent form, which would cost compile time for nothing (perf-notes section 28).
+  static constexpr bool kODirect = !kOwnOBuffer && !kOInVStage && !Mainloop::kTransposeV &&
+                                   (FLASH_EXT_FORCE_DIRECT_O || Config::kHeadDim <= 192);
+  static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage || kODirect;
   // Persistent while a tile has at most this many K/V blocks (measured: perf-notes section 15).
   static constexpr int kPersistentMaxBlocks = 16;
 
@@ -136,15 +145,17 @@ struct FwdKernel {
   static_assert(kProducerRegs * cutlass::NumThreadsPerWarpGroup + kConsumerRegs * kNumMmaThreads <= kCtaRegs,
                 "the setmaxnreg split exceeds the CTA's registers");
 
-  // Where O is staged (Policy): persistent, its own buffer or V's last stage; one tile per CTA, a buffer
+  // Where O is staged (Policy): persistent, its own buffer, V's last stage or nowhere; one tile per CTA, a buffer
   // the mainloop no longer needs at the end of the tile: Q's (16-bit), or V^T's (FP8: bf16 O is twice Q's
   // size; GEMM1, the only reader of V^T, is done and so are the transposes once the consumers reach the
   // epilogue).
   static constexpr bool kOwnOBuffer = kPersistent && Policy::kOwnOBuffer;
   static constexpr bool kOInVStage = kPersistent && Policy::kOInVStage;
+  static constexpr bool kODirect = kPersistent && Policy::kODirect;
   static constexpr bool kStageOInVt = !kPersistent && Mainloop::kTransposeV;
   using Epilogue = FwdEpilogue<typename Config::ElementOut, kBlockM, Config::kHeadDim, typename Mainloop::TiledMmaPV,
-                               kNumMmaThreads, /*kAsyncStore=*/kPersistent>;
+                               kNumMmaThreads,
+                               kODirect ? OStore::kDirect : (kPersistent ? OStore::kTmaAsync : OStore::kTmaWaited)>;
   static_assert(kPersistent || Epilogue::kSmemBytes <= (kStageOInVt ? Mainloop::kSmemBytesVt : Mainloop::kSmemBytesQ),
                 "O fits the lent buffer");
   using Scheduler = typename Policy::Scheduler;
@@ -253,7 +264,9 @@ struct FwdKernel {
       auto last_v_stage = [&] { return (read_v.index() + Mainloop::kStages - 1) % Mainloop::kStages; };
       // Where O is staged.
       auto smem_o = [&] {
-        if constexpr (kOwnOBuffer) {
+        if constexpr (kODirect) {
+          return static_cast<ElementOut*>(nullptr);  // written from registers
+        } else if constexpr (kOwnOBuffer) {
           return storage.tensors.epilogue.smem_o.data();
         } else if constexpr (kOInVStage) {
           return reinterpret_cast<ElementOut*>(Mainloop::smem_v_stage(storage.tensors.mainloop, last_v_stage()));
