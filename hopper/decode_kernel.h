@@ -12,8 +12,8 @@
 //   cache_batch_idx, or one page of a paged cache: pages hold a multiple of 16 keys) or from the new keys.
 // - Per block: S = Q K^T and O += P V with m16n8k16 MMAs (warp_mma.h), masks and softcap as the attention
 //   kernels define them, and softmax.h's online softmax, whose fragment layout these MMAs share.
-// - FP8 (e4m3) caches are read as stored (half the bytes) and run the fp16 MMAs: K widened in registers after
-//   its ldmatrix (Q's columns permuted to match), V widened to fp16 in shared memory per block.
+// - FP8 (e4m3) caches are read as stored (half the bytes) and run the fp16 MMAs: K and V widened in registers
+//   after their ldmatrix (Q's columns permuted to match K's, O's columns permuted as V's come out).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -41,9 +41,11 @@ struct DecodeConfig {
   static constexpr int kHeadDim = kHeadDim_;
   // FP8 (e4m3) caches run the fp16 MMAs (sm_90 has no FP8 mma.sync: ptxas would widen both operands at every
   // use): every e4m3 value is an fp16 value, so the widening is exact and P keeps fp16's precision. K is
-  // widened in registers after its ldmatrix, with Q's columns permuted to match (load_q); V, whose keys must
-  // come out of ldmatrix.trans, is widened into shared memory per block. The output is bf16, as the FP8
-  // forward's. The kernel is bound by reading the cache, which FP8 halves.
+  // widened in registers after its ldmatrix, with Q's columns permuted to match (load_q). V is read by
+  // ldmatrix.trans as pairs of bytes, which gives a lane two keys of two adjacent columns: a byte permute
+  // splits them into the B fragments of an even-column and an odd-column MMA, and O's columns are put back
+  // in order when it is written (v_fragments). The output is bf16, as the FP8 forward's. The kernel is bound
+  // by reading the cache, which FP8 halves.
   static constexpr bool kFp8 = std::is_same_v<Element, cutlass::float_e4m3_t>;
   using MmaElement = std::conditional_t<kFp8, cutlass::half_t, Element>;
   using OutElement = std::conditional_t<kFp8, cutlass::bfloat16_t, Element>;
@@ -66,10 +68,9 @@ struct DecodeConfig {
   static constexpr int kTileBytes = kBlockN * kRowBytes;  // K or V of one step, as stored
   static constexpr int kStageBytes = 2 * kTileBytes;
   static constexpr int kKSteps = kRowBytes / 32;  // K's ldmatrix steps along the head dim, 32 stored bytes each
-  // The 16-bit tiles the MMAs read: V as stored or widened from FP8 (per warp), Q when kept in shared memory.
+  // Rows of the 16-bit tile of Q when it is kept in shared memory (FP8: widened).
   static constexpr int kMmaRowBytes = kHeadDim * 2;
-  static constexpr int kWidenBytes = kFp8 ? kBlockN * kMmaRowBytes : 0;
-  static constexpr int kWarpBytes = kStages * kStageBytes + kWidenBytes;
+  static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr int kRowsPerCopy = 32 / kChunks;  // K/V rows one warp-wide 16-byte copy covers
   static constexpr int kCopiesPerTile = kBlockN / kRowsPerCopy;
   // The warps' normalised O and LSE for the final merge, fp32, rows padded by 4 floats (fewer bank conflicts).
@@ -196,8 +197,7 @@ struct DecodeKernel {
   };
 
   // Issues the cp.async copies of one 16-key block (K then V) into a stage: rows past the sequence and
-  // columns past the head dim become zeros. Rows are swizzled for ldmatrix (Config::swizzled), except FP8 V's,
-  // which stay in order (widen_tile reads them).
+  // columns past the head dim become zeros. Rows are swizzled for ldmatrix (Config::swizzled).
   __device__ static void load_block(Params const& p, DecodeSequence const& seq, LaneSource const& lane_source, int batch,
                                     int kv_head, int block, uint32_t stage) {
     int const lane = threadIdx.x % 32;
@@ -210,9 +210,7 @@ struct DecodeKernel {
     int const col = chunk * Config::kElementsPerChunk;
     int64_t const k_cached_step = Config::kRowsPerCopy * p.k_cache.row_stride, v_cached_step = Config::kRowsPerCopy * p.v_cache.row_stride;
     auto const k_offset = [&](int row) { return Config::swizzled(row, chunk, Config::kRowBytes); };
-    auto const v_offset = [&](int row) {
-      return Config::kTileBytes + (Config::kFp8 ? uint32_t(row * Config::kRowBytes + chunk * 16) : k_offset(row));
-    };
+    auto const v_offset = [&](int row) { return Config::kTileBytes + k_offset(row); };
     if (first_key + kBlockN <= seq.cache_len) {  // the common block: every row in the cache, no per-row choice
       Element const* k_src = lane_source.k + first_key * p.k_cache.row_stride;
       Element const* v_src = lane_source.v + first_key * p.v_cache.row_stride;
@@ -250,21 +248,6 @@ struct DecodeKernel {
       Element const* const v_src = !valid ? cached.v : in_cache ? v_cached + i * v_cached_step : v_new + i * v_new_step;
       warp::cp_async_16(stage + k_offset(row), k_src, valid);
       warp::cp_async_16(stage + v_offset(row), v_src, valid);
-    }
-  }
-
-  // FP8: V's stored 16-key tile (rows in order) widened to fp16 in the layout of the 16-bit tiles. A lane
-  // converts 16-byte chunks: 512 consecutive bytes per warp-wide load, free of bank conflicts.
-  __device__ static void widen_tile(uint32_t src, uint32_t dst) {
-    int const lane = threadIdx.x % 32;
-#pragma unroll 4  // (fully unrolled, d256's 8 chunks per lane held 32 more registers and spilled)
-    for (int j = 0; j < kBlockN * Config::kChunks / 32; ++j) {
-      int const i = lane + 32 * j, row = i / Config::kChunks, chunk = i % Config::kChunks;
-      uint4 const v = warp::lds_128(src + i * 16);
-      uint2 const x = warp::e4m3x4_to_half4(v.x), y = warp::e4m3x4_to_half4(v.y);
-      uint2 const z = warp::e4m3x4_to_half4(v.z), w = warp::e4m3x4_to_half4(v.w);
-      warp::sts_128(dst + Config::swizzled(row, 2 * chunk, Config::kMmaRowBytes), make_uint4(x.x, x.y, y.x, y.y));
-      warp::sts_128(dst + Config::swizzled(row, 2 * chunk + 1, Config::kMmaRowBytes), make_uint4(z.x, z.y, w.x, w.y));
     }
   }
 
@@ -353,7 +336,6 @@ struct DecodeKernel {
     auto my_block = [&](int i) { return split_first + warp_idx + i * warps; };
 
     uint32_t const pipeline = warp::smem_address(smem) + warp_idx * Config::kWarpBytes;
-    uint32_t const widened = pipeline + Config::kStages * Config::kStageBytes;  // FP8 only
     auto stage_address = [&](int i) { return pipeline + (i % Config::kStages) * Config::kStageBytes; };
     LaneSource const lane_source = LaneSource::make(p, seq, kv_head);
     CUTLASS_PRAGMA_UNROLL
@@ -464,18 +446,34 @@ struct DecodeKernel {
       uint32_t const a[4] = {warp::pack_2<MmaElement>(acc_s(0), acc_s(1)), warp::pack_2<MmaElement>(acc_s(2), acc_s(3)),
                              warp::pack_2<MmaElement>(acc_s(4), acc_s(5)), warp::pack_2<MmaElement>(acc_s(6), acc_s(7))};
       if constexpr (Config::kFp8) {
-        widen_tile(v_tile, widened);
-        __syncwarp();
-        v_tile = widened;
+        // 16 keys x 32 stored columns per ldmatrix: matrices (keys 0-7 | 8-15) x (columns 16j .. +15, j = 2 * step,
+        // 2 * step + 1) of byte pairs, transposed: a lane holds keys 2c, 2c + 1 of columns 16j + 2g, + 1.
+        // O's 8 registers of j: the MMA over the even columns 16j + 2n, then the one over the odd ones.
+        CUTLASS_PRAGMA_UNROLL
+        for (int step = 0; step < Config::kRowBytes / 32; ++step) {
+          uint32_t b[4];
+          warp::ldmatrix_x4_trans(b, v_tile + Config::swizzled(v_row, 2 * step + v_chunk_hi, Config::kRowBytes));
+          CUTLASS_PRAGMA_UNROLL
+          for (int half = 0; half < 2; ++half) {
+            int const j = 2 * step + half;
+            uint2 const keys_lo = warp::e4m3_column_pairs_to_half(b[2 * half]);
+            uint2 const keys_hi = warp::e4m3_column_pairs_to_half(b[2 * half + 1]);
+            warp::mma_16816<MmaElement>(acc_o(8 * j), acc_o(8 * j + 1), acc_o(8 * j + 2), acc_o(8 * j + 3), a, keys_lo.x,
+                                        keys_hi.x);
+            warp::mma_16816<MmaElement>(acc_o(8 * j + 4), acc_o(8 * j + 5), acc_o(8 * j + 6), acc_o(8 * j + 7), a,
+                                        keys_lo.y, keys_hi.y);
+          }
+        }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int nd = 0; nd < kHeadDim / 16; ++nd) {
+          uint32_t b[4];
+          warp::ldmatrix_x4_trans(b, v_tile + Config::swizzled(v_row, 2 * nd + v_chunk_hi, Config::kMmaRowBytes));
+          warp::mma_16816<MmaElement>(acc_o(8 * nd), acc_o(8 * nd + 1), acc_o(8 * nd + 2), acc_o(8 * nd + 3), a, b[0], b[1]);
+          warp::mma_16816<MmaElement>(acc_o(8 * nd + 4), acc_o(8 * nd + 5), acc_o(8 * nd + 6), acc_o(8 * nd + 7), a, b[2], b[3]);
+        }
       }
-      CUTLASS_PRAGMA_UNROLL
-      for (int nd = 0; nd < kHeadDim / 16; ++nd) {
-        uint32_t b[4];
-        warp::ldmatrix_x4_trans(b, v_tile + Config::swizzled(v_row, 2 * nd + v_chunk_hi, Config::kMmaRowBytes));
-        warp::mma_16816<MmaElement>(acc_o(8 * nd), acc_o(8 * nd + 1), acc_o(8 * nd + 2), acc_o(8 * nd + 3), a, b[0], b[1]);
-        warp::mma_16816<MmaElement>(acc_o(8 * nd + 4), acc_o(8 * nd + 5), acc_o(8 * nd + 6), acc_o(8 * nd + 7), a, b[2], b[3]);
-      }
-      __syncwarp();  // every lane's read of this stage (and of the widened tile) is done before they are rewritten
+      __syncwarp();  // every lane's read of this stage is done before it is rewritten
     }
 
     // Each warp's part, normalised, with its LSE (-inf for a warp that saw no key).
@@ -486,13 +484,25 @@ struct DecodeKernel {
     float* const merge_o = reinterpret_cast<float*>(smem);
     float* const merge_lse = merge_o + warps * Config::kRows * Config::kMergeRowFloats;
     float* const warp_o = merge_o + warp_idx * Config::kRows * Config::kMergeRowFloats;
-    CUTLASS_PRAGMA_UNROLL
-    for (int n = 0; n < kHeadDim / 8; ++n) {
+    if constexpr (Config::kFp8) {  // columns 16j + 4c .. + 3: even, odd, even, odd MMA column (see the PV loop)
       CUTLASS_PRAGMA_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        int const row = lane / 4 + 8 * h, col = n * 8 + (lane % 4) * 2;
-        *reinterpret_cast<float2*>(warp_o + row * Config::kMergeRowFloats + col) =
-            make_float2(acc_o(4 * n + 2 * h), acc_o(4 * n + 2 * h + 1));
+      for (int j = 0; j < kHeadDim / 16; ++j) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          int const row = lane / 4 + 8 * h, col = j * 16 + (lane % 4) * 4;
+          *reinterpret_cast<float4*>(warp_o + row * Config::kMergeRowFloats + col) =
+              make_float4(acc_o(8 * j + 2 * h), acc_o(8 * j + 4 + 2 * h), acc_o(8 * j + 2 * h + 1), acc_o(8 * j + 4 + 2 * h + 1));
+        }
+      }
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < kHeadDim / 8; ++n) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          int const row = lane / 4 + 8 * h, col = n * 8 + (lane % 4) * 2;
+          *reinterpret_cast<float2*>(warp_o + row * Config::kMergeRowFloats + col) =
+              make_float2(acc_o(4 * n + 2 * h), acc_o(4 * n + 2 * h + 1));
+        }
       }
     }
     if (lane % 4 == 0) {

@@ -51,6 +51,13 @@ __device__ __forceinline__ uint2 e4m3x4_to_half4(uint32_t quad) {
   return r;
 }
 
+// A register of ldmatrix.trans over e4m3 byte pairs: (key k, columns 2g, 2g + 1), then (key k + 1, the same
+// columns). Returns the fp16 pairs (key k, key k + 1) of column 2g (.x) and of column 2g + 1 (.y), each as an
+// MMA B register holds them (the lower key in the low half): one byte permute, then the widening.
+__device__ __forceinline__ uint2 e4m3_column_pairs_to_half(uint32_t pairs) {
+  return e4m3x4_to_half4(__byte_perm(pairs, 0u, 0x3120));
+}
+
 // Four 8x8 matrices of 16-bit values; lanes 8i..8i+7 give the row addresses of matrix i.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
