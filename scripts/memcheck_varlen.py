@@ -4,8 +4,12 @@ reject (decreasing, past the tensors' ends, seqused longer than the sequence, a 
 sequence): the kernels must stay inside their memory for any values (hopper/varlen.h). The workload for
 compute-sanitizer:
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_varlen.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_varlen.py [--headdims 192]
+
+(--headdims: only the kernels of those head dims; the whole run takes many minutes under the sanitizer.)
 """
+import argparse
+
 import torch
 
 import flash_ext  # noqa: F401  (loads the ops)
@@ -29,8 +33,13 @@ CASES = {
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--headdims", default="", help="comma list of kernel head dims (default: all compiled)")
+    only = {int(x) for x in parser.parse_args().headdims.split(",") if x}
     total_q, total_k, h, hkv = 300, 260, 4, 2
     for d, dtype, causal in compiled_kernels("fwd", ["bf16", "fp16"]):
+        if only and d not in only:
+            continue
         has_bwd = (d, dtype, causal) in set(compiled_kernels("bwd", ["bf16", "fp16"]))
         q, dout = (torch.randn(total_q, h, d, device="cuda", dtype=dtype) for _ in range(2))
         k, v = (torch.randn(total_k, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
