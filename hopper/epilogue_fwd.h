@@ -6,9 +6,10 @@
 // How O leaves (OStore): staged in a buffer the tile ends without waiting for (kTmaAsync: the epilogue's
 // own, waited for at the next tile's store, or one the mainloop lends until the store has read it, V's last
 // stage, which the kernel hands back itself); staged in Q's buffer (kTmaWaited: no GEMM reads Q once the
-// tile's last S is computed, but the next Q waits for the store); or written by each thread (kDirect: 4-byte
-// stores of two adjacent columns, bounds checked per row and column; persistent kernels with no buffer to
-// spare, whose next Q then waits for nothing). release_input_buffer() (Q's) is called by one thread once
+// tile's last S is computed, but the next Q waits for the store; FP8 stages it in V^T's the same way); or
+// written by each thread (kDirect: 16-byte stores of 8 adjacent columns after a transpose across the quad,
+// bounds checked per row and column; persistent kernels with no buffer to spare, whose next Q then waits
+// for nothing). release_input_buffer() (Q's) is called by one thread once
 // the consumers are past the mainloop and, when Q's buffer stages O, once the TMA store has read it: from
 // then on the producer may load the next tile's Q.
 #pragma once
