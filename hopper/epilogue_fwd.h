@@ -9,9 +9,9 @@
 // tile's last S is computed, but the next Q waits for the store; FP8 stages it in V^T's the same way); or
 // written by each thread (kDirect: 16-byte stores of 8 adjacent columns after a transpose across the quad,
 // bounds checked per row and column; persistent kernels with no buffer to spare, whose next Q then waits
-// for nothing). release_input_buffer() (Q's) is called by one thread once
-// the consumers are past the mainloop and, when Q's buffer stages O, once the TMA store has read it: from
-// then on the producer may load the next tile's Q.
+// for nothing). release_input_buffer() (Q's) is called by one thread once the consumers are past the
+// mainloop and, when Q's buffer stages O, once the TMA store has read it: from then on the producer may
+// load the next tile's Q.
 #pragma once
 
 #include <cute/tensor.hpp>
