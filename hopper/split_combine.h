@@ -79,6 +79,8 @@ struct SplitOutput {
 
 // Programmatic dependent launch (the combine after the decode kernel): the decode kernel's CTAs let the
 // combine's launch begin once they all run; the combine waits for the decode grid's completion and memory.
+// Not CUTLASS's launch_dependent_grids / wait_on_dependent_grids: theirs carry no "memory" clobber, so the
+// compiler could move the combine's loads of the parts above the wait.
 __device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 __device__ __forceinline__ void wait_for_primary_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
