@@ -11,8 +11,8 @@
 //   sequence, and no tile reaches into its neighbour. (The same device as CUTLASS example 77's variable
 //   sequence lengths.)
 // - VarlenPrepare, a one-CTA kernel launched before the main kernel: sanitises the per-sequence values
-//   (clamped into the packed tensors and the caller's maxima, so that no value makes a kernel access memory
-//   out of bounds), and writes the list of tiles the main kernel walks: longest sequences first (the tile
+//   (offsets made nondecreasing and clamped into the packed tensors, lengths into the caller's maxima, so
+//   that no value makes a kernel access memory out of bounds, nor two sequences share a row), and writes the list of tiles the main kernel walks: longest sequences first (the tile
 //   scheduler's longest-first order across a mixed batch), each sequence's blocks in the scheduler's block
 //   order, heads fastest. Tiles of empty blocks do not exist, so no CTA is spent on them. The forward lists
 //   no tile of a sequence without keys: VarlenPrepare writes its rows itself (O = 0, LSE = -inf), since a
@@ -21,9 +21,11 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
+#include <cub/block/block_scan.cuh>
 #include <cute/tensor.hpp>
 
 #include "flash.h"
@@ -155,6 +157,8 @@ struct VarlenPrepare {
     VarlenArgs args;
     int batch, max_seqlen_q, max_seqlen_k;
     SeqInfo* seqs;       // (batch)
+    int* offsets_q;      // (batch + 1) scratch: cu_seqlens_q made nondecreasing and clamped
+    int* offsets_k;      // (batch + 1) scratch: the same for cu_seqlens_k
     int* keys;           // (batch) scratch: the sort key
     int* order;          // (batch) scratch: batch entries, longest first
     int* tile_start;     // (batch + 1) scratch: first tile of each entry of `order`
@@ -177,16 +181,44 @@ struct VarlenPrepare {
 
   __device__ static int clamp(int x, int lo, int hi) { return min(max(x, lo), hi); }
 
+  using OffsetScan = cub::BlockScan<int, kNumThreads>;
+
+  // out[i] = clamp(max(in[0..i]), 0, total) for i < n: the running maximum makes decreasing offsets (which
+  // the Python API rejects, but torch.compile and graph capture skip that check) describe empty sequences
+  // instead of sequences that overlap earlier ones. Overlapping sequences would share blocks of the
+  // backward's statistics, whose deterministic-mode semaphores two sequences would then count at once:
+  // a wait that never ends. Valid offsets are unchanged. Each thread takes a run of entries; one block
+  // scan gives each run the maximum of the runs before it.
+  __device__ static void monotone_offsets(int const* in, int n, int total, int* out, typename OffsetScan::TempStorage& scan) {
+    int const tid = int(threadIdx.x);
+    int const per_thread = ceil_div(n, kNumThreads);
+    int const first = tid * per_thread, last = min(first + per_thread, n);
+    auto const maximum = [](int x, int y) { return max(x, y); };
+    int run = INT_MIN;
+    for (int i = first; i < last; ++i) { run = max(run, in[i]); }
+    OffsetScan(scan).ExclusiveScan(run, run, INT_MIN, maximum);
+    for (int i = first; i < last; ++i) {
+      run = max(run, in[i]);
+      out[i] = clamp(run, 0, total);
+    }
+  }
+
   __device__ static void run(Params const& p, char* /*smem*/) {
     int const tid = int(threadIdx.x);
     VarlenArgs const& a = p.args;
-    // 1. Per sequence: lengths and first rows, clamped into the packed tensors and the maxima; the sort key
-    // is the length of the side each tile walks (the tile's work).
+    // 0. The offsets, nondecreasing and inside the packed tensors.
+    __shared__ typename OffsetScan::TempStorage scan;
+    monotone_offsets(a.cu_seqlens_q, p.batch + 1, a.total_q, p.offsets_q, scan);
+    __syncthreads();  // the scan's storage is used again
+    monotone_offsets(a.cu_seqlens_k, p.batch + 1, a.total_k, p.offsets_k, scan);
+    __syncthreads();
+    // 1. Per sequence: lengths and first rows, inside the packed tensors and the maxima; the sort key is the
+    // length of the side each tile walks (the tile's work).
     for (int b = tid; b < p.batch; b += kNumThreads) {
-      int const start_q = clamp(a.cu_seqlens_q[b], 0, a.total_q);
-      int const start_k = clamp(a.cu_seqlens_k[b], 0, a.total_k);
-      int len_q = clamp(a.cu_seqlens_q[b + 1], start_q, a.total_q) - start_q;
-      int len_k = clamp(a.cu_seqlens_k[b + 1], start_k, a.total_k) - start_k;
+      int const start_q = p.offsets_q[b];
+      int const start_k = p.offsets_k[b];
+      int len_q = p.offsets_q[b + 1] - start_q;
+      int len_k = p.offsets_k[b + 1] - start_k;
       if (a.seqused_q != nullptr) { len_q = clamp(a.seqused_q[b], 0, len_q); }
       if (a.seqused_k != nullptr) { len_k = clamp(a.seqused_k[b], 0, len_k); }
       len_q = min(len_q, p.max_seqlen_q);
@@ -265,7 +297,7 @@ struct VarlenPrepare {
 struct VarlenWorkspace {
   static constexpr size_t kAlign = 256;
   int batch, max_tiles, stats_blocks;
-  size_t seqs_at, keys_at, order_at, tile_start_at, num_tiles_at, tiles_at, stats_at, bytes;
+  size_t seqs_at, offsets_q_at, offsets_k_at, keys_at, order_at, tile_start_at, num_tiles_at, tiles_at, stats_at, bytes;
 
   static size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
@@ -277,6 +309,8 @@ struct VarlenWorkspace {
     size_t at = 0;
     auto take = [&](size_t n) { size_t const here = at; at += aligned(n); return here; };
     seqs_at = take(sizeof(SeqInfo) * size_t(batch_));
+    offsets_q_at = take(sizeof(int) * size_t(batch_ + 1));
+    offsets_k_at = take(sizeof(int) * size_t(batch_ + 1));
     keys_at = take(sizeof(int) * size_t(batch_));
     order_at = take(sizeof(int) * size_t(batch_));
     tile_start_at = take(sizeof(int) * size_t(batch_ + 1));
@@ -300,6 +334,8 @@ struct VarlenWorkspace {
             max_seqlen_q,
             max_seqlen_k,
             seqs(base),
+            at<int>(base, offsets_q_at),
+            at<int>(base, offsets_k_at),
             at<int>(base, keys_at),
             at<int>(base, order_at),
             at<int>(base, tile_start_at),

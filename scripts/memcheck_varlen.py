@@ -6,9 +6,12 @@ compute-sanitizer:
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_varlen.py [--headdims 192]
 
-(--headdims: only the kernels of those head dims; the whole run takes many minutes under the sanitizer.)
+(--headdims: only the kernels of those head dims; --cases, --calls: only those offset cases and calls; the
+whole run takes many minutes under the sanitizer. --verbose prints each call before it runs and its time after,
+so a run that does not finish shows which call it was in.)
 """
 import argparse
+import time
 
 import torch
 
@@ -35,7 +38,25 @@ CASES = {
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--headdims", default="", help="comma list of kernel head dims (default: all compiled)")
-    only = {int(x) for x in parser.parse_args().headdims.split(",") if x}
+    parser.add_argument("--cases", default=",".join(CASES), help="comma list of offset cases")
+    parser.add_argument("--calls", default="bwd,bwd_det",
+                        help="backward calls after each forward: comma list of bwd, bwd_det (or none)")
+    parser.add_argument("--verbose", action="store_true")
+    cli = parser.parse_args()
+    only = {int(x) for x in cli.headdims.split(",") if x}
+    cases = {name: CASES[name] for name in cli.cases.split(",")}
+    calls = set(cli.calls.split(","))
+
+    def run(label, fn):
+        if cli.verbose:
+            print(f"  {label} ...", end="", flush=True)
+        start = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        if cli.verbose:
+            print(f" {time.perf_counter() - start:.1f} s", flush=True)
+        return result
+
     total_q, total_k, h, hkv = 300, 260, 4, 2
     for d, dtype, causal in compiled_kernels("fwd", ["bf16", "fp16"]):
         if only and d not in only:
@@ -43,20 +64,22 @@ def main():
         has_bwd = (d, dtype, causal) in set(compiled_kernels("bwd", ["bf16", "fp16"]))
         q, dout = (torch.randn(total_q, h, d, device="cuda", dtype=dtype) for _ in range(2))
         k, v = (torch.randn(total_k, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
-        for name, (cu_q, cu_k, used_q, used_k, max_q, max_k) in CASES.items():
+        for name, (cu_q, cu_k, used_q, used_k, max_q, max_k) in cases.items():
             args = (i32(cu_q), i32(cu_k), None if used_q is None else i32(used_q), None if used_k is None else i32(used_k),
                     max_q, max_k)
             for options in call_options(causal):
                 window = options.get("window_size", (-1, -1))
                 extra = (window[0], window[1], options.get("softcap", 0.0))
                 mask = options["causal"]
-                out, lse = torch.ops.flash_ext.fwd_varlen(q, k, v, *args, d ** -0.5, mask, *extra)
-                if has_bwd:
-                    for deterministic in (False, True):
-                        torch.ops.flash_ext.bwd_varlen(dout, q, k, v, out, lse, None, *args, d ** -0.5, mask,
-                                                       deterministic, *extra)
+                label = f"d{d} {dtype} {name} {options}"
+                out, lse = run(f"{label} fwd", lambda: torch.ops.flash_ext.fwd_varlen(q, k, v, *args, d ** -0.5, mask, *extra))
+                for deterministic in (False, True):
+                    call = "bwd_det" if deterministic else "bwd"
+                    if has_bwd and call in calls:
+                        run(f"{label} {call}", lambda: torch.ops.flash_ext.bwd_varlen(
+                            dout, q, k, v, out, lse, None, *args, d ** -0.5, mask, deterministic, *extra))
             torch.cuda.synchronize()
-        print(f"d{d} {dtype} causal={causal}: ran {len(CASES)} offset cases", flush=True)
+        print(f"d{d} {dtype} causal={causal}: ran {len(cases)} offset cases", flush=True)
 
 
 if __name__ == "__main__":

@@ -426,6 +426,45 @@ def test_varlen_backward_deterministic_bitwise(headdim, causal):
     _check_grads(batch, causal, deterministic=True, dlse=torch.where(torch.isinf(lse), 0.0, dlse))
 
 
+_DECREASING_OFFSETS_CASE = """
+import math, torch, flash_ext
+hd, causal = {headdim}, {causal}
+def i32(x):
+    return torch.tensor(x, dtype=torch.int32, device="cuda")
+q, dout = (torch.randn(300, 4, hd, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+k, v = (torch.randn(260, 2, hd, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+results = []
+# Offsets that go back, and their running maximum: entries 1 (and 2, for k) are empty sequences.
+for cu_q, cu_k in (([0, 200, 100, 250, 300], [0, 150, 20, 260, 100]), ([0, 200, 200, 250, 300], [0, 150, 150, 260, 260])):
+    args = (i32(cu_q), i32(cu_k), None, None, 300, 260, 1 / math.sqrt(hd), causal, -1, -1, 0.0)
+    out, lse = torch.ops.flash_ext.fwd_varlen(q, k, v, *args)
+    grads = torch.ops.flash_ext.bwd_varlen(dout, q, k, v, out, lse, None, *args[:-3], True, *args[-3:])
+    torch.cuda.synchronize()
+    results.append((out, lse, *grads))
+for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+    assert torch.equal(a, b), name + " differs from the running maximum's"
+"""
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", BWD_HEADDIMS)
+def test_decreasing_offsets_are_empty_sequences(headdim, causal):
+    """Offsets that go back (which flash_attn_varlen_func rejects in eager mode, but not under torch.compile or
+    graph capture) are taken as their running maximum, so that no two sequences share rows: the same bits as
+    those offsets. Sequences that shared blocks of the backward's statistics made the deterministic backward
+    wait forever (seen at d96: their semaphores counted by two sequences at once): run in a process of its
+    own, with a time limit, so that a hang fails this test alone."""
+    import subprocess
+    import sys
+    _require_kernels("bwd", headdim, torch.bfloat16, causal, NO_WINDOW)
+    case = _DECREASING_OFFSETS_CASE.format(headdim=headdim, causal=causal)
+    try:
+        result = subprocess.run([sys.executable, "-c", case], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the calls with decreasing offsets did not finish in 120 s (a deterministic backward that waits forever)")
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------------------
 # Empty batches, autograd's strided gradients, entry points
 # ------------------------------------------------------------------------------------------------
