@@ -16,7 +16,10 @@ namespace flash {
 template <class Element, int kHeadDim, bool kIsCausal>
 struct FwdLauncher {
   using Config = FwdConfig<Element, kHeadDim, kIsCausal>;
-  using Policy = FwdLaunchPolicy<Config>;
+  using Policy = FwdLaunchPolicy<Config>;  // decides the launch form, and the workspace, for both configurations
+  // Taller tiles for one CTA per tile, where tile_size.h gives them (kBlockMLong): dense calls that Policy
+  // does not run persistent. Varlen calls keep Config's tiles, which VarlenPrepare's tile list is made of.
+  using LongConfig = FwdConfig<Element, kHeadDim, kIsCausal, /*kLongTiles=*/true>;
 
   static size_t workspace_bytes(FwdParams const& p) { return Policy::workspace_bytes(p); }
 
@@ -29,6 +32,14 @@ struct FwdLauncher {
       auto const params = Kernel::to_params(p);
       launch_kernel<Kernel>(params.scheduler.grid(mode.persistent, num_sms(device)), params, device, stream);
     };
+    if constexpr (Config::kHasLongTiles) {
+      // Never persistent: FwdLaunchPolicy<LongConfig> finds at least as many K/V blocks per tile (its tiles
+      // are taller), so its scheduler agrees that this launch is one CTA per tile.
+      if (!mode.persistent && !p.varlen.enabled()) {
+        launch(FwdKernel<LongConfig, /*kPersistent=*/false>{});
+        return;
+      }
+    }
     if (p.varlen.enabled()) { launch_kernel<VarlenPrepare>(dim3(1), Policy::varlen_prepare(p), device, stream); }
     if constexpr (Policy::kPersistentCapable) {
       if (mode.persistent) {

@@ -15,13 +15,17 @@ namespace flash {
 
 // kBlockM x kBlockN per head dim for 16-bit forward kernels. Shared memory: Q (kBlockM x d) + 2 stages each
 // of K and V (kBlockN x d) must stay under 227 KB.
-// Causal kernels carry the mask's extra live registers: d64 causal with three consumer warpgroups (160
-// registers each), d192 causal at kBlockN = 112 and d256 causal at kBlockN = 80 spilled, so they use
-// smaller tiles. d128 non-causal: 128x176 is 3-5% faster from 4k on than 128x128; 128x128 would leave room
-// for the separate O buffer of persistent launches (+13% at 512): long sequences won (perf-notes section 5).
+// Causal kernels carry the mask's extra live registers: d192 causal at kBlockN = 112 and d256 causal at
+// kBlockN = 80 spilled, so they use smaller tiles. d128 non-causal: 128x176 is 3-5% faster from 4k on than
+// 128x128; 128x128 would leave room for the separate O buffer of persistent launches (+13% at 512): long
+// sequences won (perf-notes section 5).
+// kBlockMLong, where present, is the tile height of the one-CTA-per-tile kernel (long sequences) when it
+// differs from the persistent kernel's. d64 causal: 192-row tiles (three consumer warpgroups) are 7-11%
+// faster from 4k keys on, 10-11% slower at 512-1k (a third of the last tile empty, more masked blocks per
+// tile), and their persistent form's producer spills (perf-notes section 30).
 template <int kHeadDim, bool kIsCausal>
 struct FwdTileSize16;
-template <bool C> struct FwdTileSize16<64, C>  { static constexpr int kBlockM = C ? 128 : 192, kBlockN = 128; };
+template <bool C> struct FwdTileSize16<64, C>  { static constexpr int kBlockM = C ? 128 : 192, kBlockN = 128, kBlockMLong = 192; };
 template <bool C> struct FwdTileSize16<96, C>  { static constexpr int kBlockM = 128, kBlockN = 128; };
 template <bool C> struct FwdTileSize16<128, C> { static constexpr int kBlockM = 128, kBlockN = C ? 128 : 176; };
 template <bool C> struct FwdTileSize16<192, C> { static constexpr int kBlockM = 128, kBlockN = C ? 96 : 112; };
@@ -38,8 +42,19 @@ template <bool C> struct FwdTileSizeFp8<128, C> { static constexpr int kBlockM =
 template <bool C> struct FwdTileSizeFp8<192, C> { static constexpr int kBlockM = 128, kBlockN = 160; };
 template <bool C> struct FwdTileSizeFp8<256, C> { static constexpr int kBlockM = 128, kBlockN = 128; };
 
-// The static configuration of one forward kernel.
-template <class Element_, int kHeadDim_, bool kIsCausal_>
+// A tile size's kBlockMLong, or its kBlockM where it has none.
+template <class TileSize, class = void>
+struct LongTileBlockM {
+  static constexpr int value = TileSize::kBlockM;
+};
+template <class TileSize>
+struct LongTileBlockM<TileSize, std::void_t<decltype(TileSize::kBlockMLong)>> {
+  static constexpr int value = TileSize::kBlockMLong;
+};
+
+// The static configuration of one forward kernel. kLongTiles: the one-CTA-per-tile kernel's tiles
+// (kBlockMLong); FwdLauncher instantiates that configuration only where kHasLongTiles.
+template <class Element_, int kHeadDim_, bool kIsCausal_, bool kLongTiles_ = false>
 struct FwdConfig {
   static_assert(sizeof(Element_) == 2 || sizeof(Element_) == 1, "16-bit or FP8 (e4m3) inputs");
   static constexpr bool kIsFp8 = sizeof(Element_) == 1;
@@ -52,9 +67,11 @@ struct FwdConfig {
   // Tile experiments in side-by-side variant builds (scripts/build_variant.sh) only.
   static constexpr int kBlockM = FLASH_EXT_TILE_M;
   static constexpr int kBlockN = FLASH_EXT_TILE_N;
+  static constexpr bool kHasLongTiles = false;
 #else
-  static constexpr int kBlockM = TileSize::kBlockM;
+  static constexpr int kBlockM = kLongTiles_ ? LongTileBlockM<TileSize>::value : TileSize::kBlockM;
   static constexpr int kBlockN = TileSize::kBlockN;
+  static constexpr bool kHasLongTiles = LongTileBlockM<TileSize>::value != TileSize::kBlockM;
 #endif
   static constexpr int kStages = 2;  // K/V pipeline depth
   static constexpr int kMaxOffset = kIsFp8 ? kFp8MaxOffset : 0;  // flash.h
