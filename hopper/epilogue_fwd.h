@@ -5,13 +5,11 @@
 //
 // How O leaves (OStore): staged in a buffer the tile ends without waiting for (kTmaAsync: the epilogue's
 // own, waited for at the next tile's store, or one the mainloop lends until the store has read it, V's last
-// stage, which the kernel hands back itself); staged in Q's buffer (kTmaWaited: no GEMM reads Q once the
-// tile's last S is computed, but the next Q waits for the store; FP8 stages it in V^T's the same way); or
-// written by each thread (kDirect: 16-byte stores of 8 adjacent columns after a transpose across the quad,
-// bounds checked per row and column; persistent kernels with no buffer to spare, whose next Q then waits
-// for nothing). release_input_buffer() (Q's) is called by one thread once the consumers are past the
-// mainloop and, when Q's buffer stages O, once the TMA store has read it: from then on the producer may
-// load the next tile's Q.
+// stage, which the kernel hands back itself); staged in a buffer the mainloop no longer needs, in a CTA that
+// computes one tile (kTmaWaited: Q's, which no GEMM reads once the tile's last S is computed; FP8 uses V^T's);
+// or written by each thread (kDirect: 16-byte stores of 8 adjacent columns after a transpose across the quad,
+// bounds checked per row and column; persistent kernels with no buffer to spare). Q's buffer is the
+// mainloop's business: persistent kernels release it after each warpgroup's last GEMM0 of the tile.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -63,9 +61,9 @@ struct FwdEpilogue {
 
   __device__ static void prefetch_descriptors(Params const& params) { prefetch_tma_descriptor(params.tma_o.get_tma_descriptor()); }
 
-  template <class FragO, class FragLse, class ReleaseInputBuffer>
+  template <class FragO, class FragLse>
   __device__ static void store(Params const& params, ElementOut* smem_o, TileCoord const& tile, SeqInfo const& seq, int thread_idx,
-                               FragO const& tOrO, FragLse const& lse, ReleaseInputBuffer&& release_input_buffer) {
+                               FragO const& tOrO, FragLse const& lse) {
     int const m_block = tile.block;
     Tensor tOrO_out = make_tensor_like<ElementOut>(tOrO);
     convert_into(tOrO, tOrO_out);
@@ -77,9 +75,6 @@ struct FwdEpilogue {
     static_assert(decltype(size<0>(coords_rc))::value == decltype(size(lse))::value);
 
     if constexpr (kDirect) {
-      // Every consumer warpgroup is past its last GEMM0: the next tile's Q may land while O is written.
-      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
-      if (thread_idx == 0) { release_input_buffer(); }
       Tensor mO = sequence_slice(params.o, params.seqs.q_rows(seq, tile.batch), tile.head);
       Tensor gO = local_tile(mO, TileShapeMD{}, make_coord(m_block, _0{}));
       Tensor tOgO = thread_mma_pv.partition_C(gO);
@@ -129,11 +124,8 @@ struct FwdEpilogue {
     if constexpr (kAsyncStore) {
       if (thread_idx == 0) { tma_store_wait<0>(); }
     }
-    // Every consumer warpgroup is past its last GEMM0 (which reads Q) and the buffer is free.
+    // The buffer is free (and, where it is Q's, every warpgroup is past its last GEMM0).
     cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
-    if constexpr (kAsyncStore) {
-      if (thread_idx == 0) { release_input_buffer(); }
-    }
     copy(smem_tiled_copy_o, taccOrO, taccOsO);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA unit
 
@@ -145,11 +137,7 @@ struct FwdEpilogue {
       Tensor gO = local_tile(mO, TileShapeMD{}, make_coord(m_block, _0{}));
       auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO, tOgO);
-      tma_store_arrive();
-      if constexpr (!kAsyncStore) {
-        tma_store_wait<0>();  // Q's buffer is needed back: wait until the store has read it
-        release_input_buffer();
-      }
+      tma_store_arrive();  // waited for at the next tile's store (kTmaAsync) or in finish()
     }
   }
 

@@ -27,7 +27,9 @@ using namespace cute;
 // Launch policy of one configuration, decided per call on the host (perf-notes sections 4, 5 and 15).
 //
 // Persistent CTAs (one per SM, looping over tiles) hide the fixed per-tile costs that dominate short
-// sequences: the producer loads the next tile's first K/V block and Q while the consumers run the epilogue.
+// sequences: the producer loads the next tile's first K/V block and Q while the consumers finish the tile
+// (Q once every consumer warpgroup's last GEMM0 of the tile is complete: the last softmax, GEMM1 and the
+// epilogue hide the load).
 // That needs O to leave without holding up the next Q: staged in a buffer of its own where one fits beside
 // the mainloop's storage, else (non-causal 16-bit, kBlockN >= kBlockM) in the V stage the tile's last GEMM1
 // read (the next tile's first K/V block goes to the other stage; the consumers hand this one back once the
@@ -287,10 +289,17 @@ struct FwdKernel {
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 2>(typename Mainloop::TileShapeMNK{}));
         auto const scales = Mainloop::tile_scales(params.mainloop, tile);
         Softmax<2 * decltype(size<1>(tOrO))::value, Config::kMaxOffset> softmax(scales.softmax_scale_log2);
+        // Persistent CTAs: the next tile's Q may land once every warpgroup's last GEMM0 is complete. One CTA
+        // per tile loads no further Q (and may stage O in Q's buffer).
+        auto q_read = [&] {
+          if constexpr (kPersistent) { Mainloop::release_q(storage.barriers, tidx); }
+        };
         if (blocks.max > blocks.min) {
           Mainloop::template mma<kOInVStage>(params.mainloop, storage.tensors.mainloop, pipelines, read_k, read_v, tile,
-                                              band, blocks.min, blocks.max, tidx, tOrO, softmax, scales.softcap_pre_scale);
+                                              band, blocks.min, blocks.max, tidx, tOrO, softmax, scales.softcap_pre_scale,
+                                              q_read);
         } else {
+          q_read();
           // kOInVStage needs a GEMM1 in every tile: non-causal tiles see a key (VarlenPrepare lists no tile of a
           // sequence without keys).
           static_assert(!kOInVStage || !kIsCausal);
@@ -298,8 +307,7 @@ struct FwdKernel {
         }
         auto scores_scale = softmax.finalize(scales.o_scale);
         softmax.rescale_o(tOrO, scores_scale);
-        Epilogue::store(params.epilogue, smem_o(), tile, seq, tidx, tOrO, softmax.row_sum,
-                        [&] { Mainloop::release_q(storage.barriers); });
+        Epilogue::store(params.epilogue, smem_o(), tile, seq, tidx, tOrO, softmax.row_sum);
       };
       if constexpr (kPersistent) {
         for (int iteration = 0;; ++iteration) {

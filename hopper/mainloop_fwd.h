@@ -208,7 +208,7 @@ struct FwdMainloop {
   // Called by one thread before the CTA-wide barrier that publishes the barriers.
   __device__ static void init_barriers(BarrierStorage& barriers) {
     barriers.barrier_q.init(/*arrive_count=*/1);
-    barriers.barrier_q_empty.init(/*arrive_count=*/1);
+    barriers.barrier_q_empty.init(/*arrive_count=*/kNumMmaWarpGroups);
   }
 
   // The pipelines of one CTA, constructed by every thread (warp 0 initialises their barriers; a
@@ -246,8 +246,12 @@ struct FwdMainloop {
     }
   }
 
-  // One thread, once the tile's Q is no longer needed (by GEMM0, nor as the epilogue's staging buffer).
-  __device__ static void release_q(BarrierStorage& barriers) { barriers.barrier_q_empty.arrive(); }
+  // Every consumer thread, once its warpgroup's GEMM0s of the tile are complete: one thread per warpgroup
+  // arrives, and the producer may load the next tile's Q while the consumers finish the tile (the last
+  // softmax, GEMM1 and the epilogue). Persistent kernels only, whose O is not staged in Q's buffer.
+  __device__ static void release_q(BarrierStorage& barriers, int thread_idx) {
+    if (thread_idx % cutlass::NumThreadsPerWarpGroup == 0) { barriers.barrier_q_empty.arrive(); }
+  }
 
   // FP8, transposing warps (thread_idx 0 .. kNumTransposeThreads - 1): every staged V block of one tile,
   // in the TMA's order, into V^T, each handed to the consumers as soon as it is written. The stages and
@@ -277,10 +281,10 @@ struct FwdMainloop {
 
   // Loads one tile: Q and its K/V blocks [n_block_min, n_block_max), last block first. When CTAs loop over
   // tiles (kLoopsOverTiles) the first K block goes before Q, whose buffer the previous tile may still hold:
-  // that K load overlaps the previous epilogue; `publish_tile` runs once the consumers are done with the
-  // previous tile and before Q's barrier is armed (they read the tile's coordinates after waiting for Q). A
-  // tile that sees no key still gets its Q, so that the Q barriers stay in step with the consumers. Called by
-  // the TMA thread.
+  // that K load overlaps the previous tile's end; `publish_tile` runs once the consumers' GEMM0s of the
+  // previous tile are complete (release_q) and before Q's barrier is armed (they read the tile's coordinates
+  // after waiting for Q). A tile that sees no key still gets its Q, so that the Q barriers stay in step with
+  // the consumers. Called by the TMA thread.
   template <bool kLoopsOverTiles, class PublishTile>
   __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers,
                               Pipelines& pipelines, PipelineState& write_state, TileCoord const& tile, SeqInfo const& seq,
@@ -334,6 +338,9 @@ struct FwdMainloop {
     if (!has_keys) { return; }
     if constexpr (!kLoopsOverTiles) { load_k(n_block_max - 1); }
     load_v(n_block_max - 1);
+    // Not unrolled: the producer has 32 registers beside three consumer warpgroups, and the unrolled loop's
+    // precomputed addresses spilled there (64 bytes at d64, persistent).
+#pragma unroll 1
     for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
       load_k(n_block);
       load_v(n_block);
@@ -354,12 +361,13 @@ struct FwdMainloop {
   // Computes the un-normalised O of the tile into tOrO and leaves the softmax state ready for finalize.
   // Requires n_block_max > n_block_min and Q in shared memory (wait_q). With kHoldLastV consumer thread 0
   // keeps the V stage the last GEMM1 read (the epilogue stages O there) until release_v_stage. softcap_pre_scale
-  // is the tile's (TileScales; 0 = no softcap).
-  template <bool kHoldLastV, class FragO, class SoftmaxT>
+  // is the tile's (TileScales; 0 = no softcap). q_read() is called by every thread once its warpgroup's last
+  // GEMM0 of the tile is complete (Q is no longer read).
+  template <bool kHoldLastV, class FragO, class SoftmaxT, class QRead>
   __device__ static void mma(Params const& params, TensorStorage& tensors, Pipelines& pipelines,
                              PipelineState& read_k, PipelineStateV& read_v, TileCoord const& tile, Band const& band,
                              int n_block_min, int n_block_max, int thread_idx, FragO& tOrO, SoftmaxT& softmax,
-                             float softcap_pre_scale) {
+                             float softcap_pre_scale, QRead&& q_read) {
     PipelineKV& pipeline_k = pipelines.k;
     PipelineGemmV& pipeline_v = pipelines.gemm_v();
     BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{band};
@@ -392,6 +400,7 @@ struct FwdMainloop {
     warpgroup_gemm<0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
     pipeline_k.consumer_release(read_k);
     ++read_k;
+    if (n_block == n_block_min) { q_read(); }
     if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
     mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, n_block);
     softmax.template max_get_scale</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
@@ -412,6 +421,7 @@ struct FwdMainloop {
       warpgroup_fence_operand(tSrS);
       pipeline_k.consumer_release(read_k);
       ++read_k;
+      if (n_block == n_block_min) { q_read(); }
       if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
       if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kBandMask=*/true>(tSrS, m_block, n_block); }
       auto scores_scale = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
