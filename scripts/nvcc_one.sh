@@ -11,6 +11,6 @@ cutlass_inc=$("$py" -c "import cutlass_library, os; print(os.path.join(os.path.d
 nvcc=${CUDA_HOME:-/usr/local/cuda}/bin/nvcc
 "$nvcc" -c "$src" -o "$out" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
   --expt-extended-lambda --use_fast_math -lineinfo -DNDEBUG \
-  -DCUTLASS_ENABLE_GDC_FOR_SM90 -Xptxas=-v -Xptxas=--warn-on-spills -I"$root/hopper" -I"$cutlass_inc" \
+  -DCUTLASS_ENABLE_GDC_FOR_SM90 ${NVCC_EXTRA:-} -Xptxas=-v -Xptxas=--warn-on-spills -I"$root/hopper" -I"$cutlass_inc" \
   2>&1 | grep -v "^ptxas info    : Function properties for\|bytes stack frame, 0 bytes spill stores" || true
 echo "object: $out"
