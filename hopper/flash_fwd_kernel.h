@@ -60,8 +60,19 @@ struct FwdLaunchPolicy {
   static constexpr bool kODirect = !kOwnOBuffer && !kOInVStage && !Mainloop::kTransposeV &&
                                    (FLASH_EXT_FORCE_DIRECT_O || Config::kHeadDim <= 192);
   static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage || kODirect;
-  // Persistent while a tile has at most this many K/V blocks (measured: perf-notes section 15).
-  static constexpr int kPersistentMaxBlocks = 16;
+  // Persistent while a tile spans at most this many keys; beyond, one CTA per tile. Both forms timed in one
+  // process (perf-notes sections 15 and 32): persistent wins through 8k keys at d64 non-causal (+3%) and d192
+  // causal (+5-8%), through 4k at d128 (+2-4%), and loses from 2k on at d192 non-causal (-1 to -4%); d64
+  // causal's one-CTA-per-tile form has taller tiles (section 30), which win from 4k. Elsewhere 16 K/V blocks.
+  static constexpr int persistent_max_keys() {
+    switch (Config::kHeadDim) {
+      case 64: return Config::kIsCausal ? 2048 : 8192;
+      case 128: return 4096;
+      case 192: return Config::kIsCausal ? 8192 : 16 * Config::kBlockN;
+      default: return 16 * Config::kBlockN;
+    }
+  }
+  static constexpr int kPersistentMaxKeys = persistent_max_keys();
 
   using Scheduler = TileScheduler<Config::kBlockM>;
   static constexpr bool kLongestFirst = Config::kIsCausal;  // causal query blocks grow with the block index
@@ -79,7 +90,7 @@ struct FwdLaunchPolicy {
     // Varlen tiles differ in length like causal ones, whatever the longest sequence: persistent CTAs drawing
     // them longest first (d128 causal, 16 sequences of 418..6467 keys: 0.90x -> 0.98x the TFLOP/s of a dense
     // batch of the same work; perf-notes section 23).
-    bool persistent = kPersistentCapable && (p.varlen.enabled() || ceil_div(key_span, Config::kBlockN) <= kPersistentMaxBlocks);
+    bool persistent = kPersistentCapable && (p.varlen.enabled() || key_span <= kPersistentMaxKeys);
     if (p.persistent >= 0) { persistent = kPersistentCapable && p.persistent != 0; }
     return {persistent, persistent && (Config::kIsCausal || p.varlen.enabled())};
   }

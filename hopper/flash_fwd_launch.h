@@ -33,8 +33,8 @@ struct FwdLauncher {
       launch_kernel<Kernel>(params.scheduler.grid(mode.persistent, num_sms(device)), params, device, stream);
     };
     if constexpr (Config::kHasLongTiles) {
-      // Never persistent: FwdLaunchPolicy<LongConfig> finds at least as many K/V blocks per tile (its tiles
-      // are taller), so its scheduler agrees that this launch is one CTA per tile.
+      // Never persistent: FwdLaunchPolicy<LongConfig> finds at least as many keys per tile (its tiles are
+      // taller) against the same limit, so its scheduler agrees that this launch is one CTA per tile.
       if (!mode.persistent && !p.varlen.enabled()) {
         launch(FwdKernel<LongConfig, /*kPersistent=*/false>{});
         return;
