@@ -12,9 +12,9 @@
 //   sequence lengths.)
 // - VarlenPrepare, a one-CTA kernel launched before the main kernel: sanitises the per-sequence values
 //   (offsets made nondecreasing and clamped into the packed tensors, lengths into the caller's maxima, so
-//   that no value makes a kernel access memory out of bounds, nor two sequences share a row), and writes the list of tiles the main kernel walks: longest sequences first (the tile
-//   scheduler's longest-first order across a mixed batch), each sequence's blocks in the scheduler's block
-//   order, heads fastest. Tiles of empty blocks do not exist, so no CTA is spent on them. The forward lists
+//   that no value makes a kernel access memory out of bounds, nor two sequences share a row), and writes
+//   the list of tiles the main kernel walks: longest sequences first (the tile scheduler's longest-first
+//   order across a mixed batch), each sequence's blocks in the scheduler's block order, heads fastest. Tiles of empty blocks do not exist, so no CTA is spent on them. The forward lists
 //   no tile of a sequence without keys: VarlenPrepare writes its rows itself (O = 0, LSE = -inf), since a
 //   persistent kernel staging O in V's buffer needs a K/V block in every tile.
 #pragma once
