@@ -2,6 +2,7 @@
 # Compiles one kernel instantiation to an object with the extension's flags and prints ptxas's resource
 # report (registers, spills, shared memory): the quick edit-compile loop for kernel work.
 #   scripts/nvcc_one.sh hopper/instantiations/flash_fwd_hdim128_bf16_sm90.cu [out.o]
+# NVCC_EXTRA adds flags, e.g. a variant's defines: NVCC_EXTRA="-DFLASH_EXT_TILE_M=192 -DFLASH_EXT_TILE_N=128".
 set -euo pipefail
 src=$1
 out=${2:-/tmp/$(basename "$src" .cu).o}
