@@ -290,7 +290,7 @@ struct FwdKernel {
         }
       };
       // One tile whose Q has landed.
-      auto compute_tile = [&](TileCoord const& tile, SeqInfo const& seq) {
+      auto compute_tile = [&](TileCoord const& tile, SeqInfo const& seq, auto softcapped) {
         // The thread index read again per tile: ptxas otherwise hoists per-thread offsets out of the tile
         // loop and spills them (d128 non-causal, 8 bytes).
         int const tidx = kPersistent ? opaque_thread_idx() : thread_idx;
@@ -308,7 +308,7 @@ struct FwdKernel {
         if (blocks.max > blocks.min) {
           Mainloop::template mma<kOInVStage>(params.mainloop, storage.tensors.mainloop, pipelines, read_k, read_v, tile,
                                               band, blocks.min, blocks.max, tidx, tOrO, softmax, scales.softcap_pre_scale,
-                                              q_read);
+                                              softcapped, q_read);
         } else {
           q_read();
           // kOInVStage needs a GEMM1 in every tile: non-causal tiles see a key (VarlenPrepare lists no tile of a
@@ -319,6 +319,22 @@ struct FwdKernel {
         auto scores_scale = softmax.finalize(scales.o_scale);
         softmax.rescale_o(tOrO, scores_scale);
         Epilogue::store(params.epilogue, smem_o(), tile, seq, tidx, tOrO, softmax.row_sum);
+      };
+      // Softcap, a call's option, costs 2-6% as a branch skipped in every step (perf-notes sections 33-34):
+      // 16-bit tiles up to d128 are compiled with and without it. Elsewhere the registers do not allow it:
+      // three consumer warpgroups (160 registers) spilled Q's descriptors in the softcap path, d256
+      // non-causal spilled 40 bytes and d192 causal's persistent form got a 608-byte stack frame.
+      auto run_tile = [&](TileCoord const& tile, SeqInfo const& seq) {
+        bool const softcap = params.mainloop.scales.softcap_pre_scale > 0.f;
+        if constexpr (!Config::kIsFp8 && Config::kNumMmaWarpGroups == 2 && Config::kHeadDim <= 128) {
+          if (softcap) {
+            compute_tile(tile, seq, cute::true_type{});
+          } else {
+            compute_tile(tile, seq, cute::false_type{});
+          }
+        } else {
+          compute_tile(tile, seq, softcap);
+        }
       };
       if constexpr (kPersistent) {
         for (int iteration = 0;; ++iteration) {
@@ -333,13 +349,13 @@ struct FwdKernel {
           if (tile.block < 0) { break; }
           // Its sequence read by the consumers themselves (publishing it too cost the producer's 32 registers
           // 64 bytes of spills at d64): the load's latency hides behind the tile's first GEMM.
-          compute_tile(tile, sequence(tile));
+          run_tile(tile, sequence(tile));
         }
       } else {
         TileCoord const tile = scheduler.coord(scheduler.first());
         SeqInfo const seq = sequence(tile);  // loaded while Q is
         Mainloop::wait_q(storage.barriers, 0);
-        compute_tile(tile, seq);
+        run_tile(tile, seq);
       }
       Epilogue::finish(thread_idx);
     }

@@ -361,13 +361,14 @@ struct FwdMainloop {
   // Computes the un-normalised O of the tile into tOrO and leaves the softmax state ready for finalize.
   // Requires n_block_max > n_block_min and Q in shared memory (wait_q). With kHoldLastV consumer thread 0
   // keeps the V stage the last GEMM1 read (the epilogue stages O there) until release_v_stage. softcap_pre_scale
-  // is the tile's (TileScales; 0 = no softcap). q_read() is called by every thread once its warpgroup's last
-  // GEMM0 of the tile is complete (Q is no longer read).
-  template <bool kHoldLastV, class FragO, class SoftmaxT, class QRead>
+  // is the tile's (TileScales); `softcapped` says whether to apply it: a bool, or cute::true_type /
+  // false_type where the kernel compiles the two cases apart. q_read() is called by every thread once its
+  // warpgroup's last GEMM0 of the tile is complete (Q is no longer read).
+  template <bool kHoldLastV, class FragO, class SoftmaxT, class Softcapped, class QRead>
   __device__ static void mma(Params const& params, TensorStorage& tensors, Pipelines& pipelines,
                              PipelineState& read_k, PipelineStateV& read_v, TileCoord const& tile, Band const& band,
                              int n_block_min, int n_block_max, int thread_idx, FragO& tOrO, SoftmaxT& softmax,
-                             float softcap_pre_scale, QRead&& q_read) {
+                             float softcap_pre_scale, Softcapped softcapped, QRead&& q_read) {
     PipelineKV& pipeline_k = pipelines.k;
     PipelineGemmV& pipeline_v = pipelines.gemm_v();
     BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{band};
@@ -388,9 +389,9 @@ struct FwdMainloop {
     Tensor tOrP = make_tensor<Element>(acc_layout_to_a_regs<Element>(tSrS.layout()));
 
     Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, band);
-    // Softcap's tanh comes before the mask (-inf stays -inf) and the softmax. A uniform branch: no
-    // separate kernels for it.
-    bool const softcap = softcap_pre_scale > 0.f;
+    // Softcap's tanh comes before the mask (-inf stays -inf) and the softmax: a uniform branch, or none where
+    // `softcapped` is a compile-time constant.
+    bool const softcap = bool(softcapped);
     WarpgroupScheduler<kNumMmaWarpGroups> scheduler(thread_idx / cutlass::NumThreadsPerWarpGroup,
                                                     Config::kPingPong && params.pingpong);
 
