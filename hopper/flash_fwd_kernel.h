@@ -59,16 +59,25 @@ struct FwdLaunchPolicy {
   // no persistent form, which would cost compile time for nothing (perf-notes section 28).
   static constexpr bool kODirect = !kOwnOBuffer && !kOInVStage && !Mainloop::kTransposeV &&
                                    (FLASH_EXT_FORCE_DIRECT_O || Config::kHeadDim <= 192);
-  static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage || kODirect;
+  // O staged over both V stages (d256 causal, whose O is larger than one stage): the next tile's first V waits
+  // for the store, its Q and first K do not (FwdMainloop::load). +10% at 512 keys, +4% at 1k over one CTA per
+  // tile; d256 non-causal +3% at 512 only, -2 to -4% from 1k, and its consumers spill 24 bytes (perf-notes
+  // section 35): not compiled.
+  static constexpr bool kOOverV = !FLASH_EXT_FORCE_DIRECT_O && !kOwnOBuffer && !kOInVStage && !kODirect &&
+                                  !Mainloop::kTransposeV && Config::kIsCausal &&
+                                  EpilogueAsync::kSmemBytes <= Mainloop::kStages * Mainloop::kSmemBytesVStage;
+  static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage || kODirect || kOOverV;
   // Persistent while a tile spans at most this many keys; beyond, one CTA per tile. Both forms timed in one
   // process (perf-notes sections 15 and 32): persistent wins through 8k keys at d64 non-causal (+3%) and d192
-  // causal (+5-8%), through 4k at d128 (+2-4%), and loses from 2k on at d192 non-causal (-1 to -4%); d64
-  // causal's one-CTA-per-tile form has taller tiles (section 30), which win from 4k. Elsewhere 16 K/V blocks.
+  // causal (+5-8%), through 4k at d128 (+2-4%), through 2k at d256 causal (+1-10%, -2.5% at 4k, section 35),
+  // and loses from 2k on at d192 non-causal (-1 to -4%); d64 causal's one-CTA-per-tile form has taller tiles
+  // (section 30), which win from 4k. Elsewhere 16 K/V blocks.
   static constexpr int persistent_max_keys() {
     switch (Config::kHeadDim) {
       case 64: return Config::kIsCausal ? 2048 : 8192;
       case 128: return 4096;
       case 192: return Config::kIsCausal ? 8192 : 16 * Config::kBlockN;
+      case 256: return 2048;
       default: return 16 * Config::kBlockN;
     }
   }
@@ -158,13 +167,14 @@ struct FwdKernel {
   static_assert(kProducerRegs * cutlass::NumThreadsPerWarpGroup + kConsumerRegs * kNumMmaThreads <= kCtaRegs,
                 "the setmaxnreg split exceeds the CTA's registers");
 
-  // Where O is staged (Policy): persistent, its own buffer, V's last stage or nowhere; one tile per CTA, a buffer
-  // the mainloop no longer needs at the end of the tile: Q's (16-bit), or V^T's (FP8: bf16 O is twice Q's
-  // size; GEMM1, the only reader of V^T, is done and so are the transposes once the consumers reach the
-  // epilogue).
+  // Where O is staged (Policy): persistent, its own buffer, V's last stage, V's two stages or nowhere; one tile
+  // per CTA, a buffer the mainloop no longer needs at the end of the tile: Q's (16-bit), or V^T's (FP8: bf16 O
+  // is twice Q's size; GEMM1, the only reader of V^T, is done and so are the transposes once the consumers
+  // reach the epilogue).
   static constexpr bool kOwnOBuffer = kPersistent && Policy::kOwnOBuffer;
   static constexpr bool kOInVStage = kPersistent && Policy::kOInVStage;
   static constexpr bool kODirect = kPersistent && Policy::kODirect;
+  static constexpr bool kOOverV = kPersistent && Policy::kOOverV;
   static constexpr bool kStageOInVt = !kPersistent && Mainloop::kTransposeV;
   using Epilogue = FwdEpilogue<typename Config::ElementOut, kBlockM, Config::kHeadDim, typename Mainloop::TiledMmaPV,
                                kNumMmaThreads,
@@ -245,7 +255,7 @@ struct FwdKernel {
             TileCoord const tile = scheduler.coord(t);
             SeqInfo const seq = sequence(tile);
             KeyBlocks const blocks = key_blocks(tile, seq);
-            Mainloop::template load</*kLoopsOverTiles=*/true>(
+            Mainloop::template load</*kLoopsOverTiles=*/true, kOOverV>(
                 params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, seq, blocks.min,
                 blocks.max, iteration, [&storage, slot = iteration & 1, tile] { storage.tile_slots[slot] = tile; });
             t = t_next;
@@ -256,7 +266,7 @@ struct FwdKernel {
           TileCoord const tile = scheduler.coord(scheduler.first());
           SeqInfo const seq = sequence(tile);
           KeyBlocks const blocks = key_blocks(tile, seq);
-          Mainloop::template load</*kLoopsOverTiles=*/false>(params.mainloop, storage.tensors.mainloop, storage.barriers,
+          Mainloop::template load</*kLoopsOverTiles=*/false, /*kOOverV=*/false>(params.mainloop, storage.tensors.mainloop, storage.barriers,
                                                              pipelines, write_state, tile, seq, blocks.min, blocks.max, 0,
                                                              [] {});
         }
@@ -283,6 +293,8 @@ struct FwdKernel {
           return storage.tensors.epilogue.smem_o.data();
         } else if constexpr (kOInVStage) {
           return reinterpret_cast<ElementOut*>(Mainloop::smem_v_stage(storage.tensors.mainloop, last_v_stage()));
+        } else if constexpr (kOOverV) {
+          return reinterpret_cast<ElementOut*>(Mainloop::smem_v_stage(storage.tensors.mainloop, 0));
         } else if constexpr (kStageOInVt) {
           return reinterpret_cast<ElementOut*>(Mainloop::smem_vt(storage.tensors.mainloop));
         } else {
@@ -343,6 +355,10 @@ struct FwdKernel {
             // The previous tile's O stage, once its store has read it (it had the time of this Q load).
             tma_store_wait<0>();
             Mainloop::release_v_stage(pipelines, last_v_stage());
+          }
+          if (kOOverV && iteration > 0 && thread_idx == 0) {  // the same for O over both V stages
+            tma_store_wait<0>();
+            Mainloop::release_o_over_v(storage.barriers);
           }
           TileCoord const volatile& slot = storage.tile_slots[iteration & 1];
           TileCoord const tile{slot.block, slot.head, slot.batch};

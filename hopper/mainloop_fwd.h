@@ -114,6 +114,9 @@ struct FwdMainloop {
   struct BarrierStorage16 {
     alignas(16) BarrierQ barrier_q;             // Q landed (phase = tile iteration & 1)
     alignas(16) BarrierQEmpty barrier_q_empty;  // Q's buffer may be overwritten with the next tile's Q
+    // Kernels that stage O over V's stages (persistent d256): the previous tile's store of O has read them,
+    // so the next tile's V may land (phase = tile iteration & 1).
+    alignas(16) BarrierQEmpty barrier_o_read;
     alignas(16) typename PipelineKV::SharedStorage pipeline_k;
     alignas(16) typename PipelineKV::SharedStorage pipeline_v;
   };
@@ -209,6 +212,7 @@ struct FwdMainloop {
   __device__ static void init_barriers(BarrierStorage& barriers) {
     barriers.barrier_q.init(/*arrive_count=*/1);
     barriers.barrier_q_empty.init(/*arrive_count=*/kNumMmaWarpGroups);
+    barriers.barrier_o_read.init(/*arrive_count=*/1);
   }
 
   // The pipelines of one CTA, constructed by every thread (warp 0 initialises their barriers; a
@@ -284,8 +288,9 @@ struct FwdMainloop {
   // that K load overlaps the previous tile's end; `publish_tile` runs once the consumers' GEMM0s of the
   // previous tile are complete (release_q) and before Q's barrier is armed (they read the tile's coordinates
   // after waiting for Q). A tile that sees no key still gets its Q, so that the Q barriers stay in step with
-  // the consumers. Called by the TMA thread.
-  template <bool kLoopsOverTiles, class PublishTile>
+  // the consumers. kOOverV: the previous tile's O is staged over V's stages, so the tile's first V waits for
+  // its store (release_o_over_v); its Q and first K do not. Called by the TMA thread.
+  template <bool kLoopsOverTiles, bool kOOverV, class PublishTile>
   __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers,
                               Pipelines& pipelines, PipelineState& write_state, TileCoord const& tile, SeqInfo const& seq,
                               int n_block_min, int n_block_max, int tile_iteration, PublishTile&& publish_tile) {
@@ -337,6 +342,11 @@ struct FwdMainloop {
     copy(params.tma_q.with(reinterpret_cast<BarrierType&>(barriers.barrier_q), 0), tQgQ, tQsQ);
     if (!has_keys) { return; }
     if constexpr (!kLoopsOverTiles) { load_k(n_block_max - 1); }
+    if constexpr (kOOverV) {
+      // A parity wait: the consumers are never two tiles ahead of it (their arrival for a tile comes after
+      // the next tile's Q, and the tile after needs this tile's V).
+      if (tile_iteration > 0) { barriers.barrier_o_read.wait((tile_iteration - 1) & 1); }
+    }
     load_v(n_block_max - 1);
     // Not unrolled: the producer has 32 registers beside three consumer warpgroups, and the unrolled loop's
     // precomputed addresses spilled there (64 bytes at d64, persistent).
@@ -357,6 +367,9 @@ struct FwdMainloop {
   }
 
   __device__ static void wait_q(BarrierStorage& barriers, int tile_iteration) { barriers.barrier_q.wait(tile_iteration & 1); }
+
+  // O staged over V's stages (see load): the thread that issued the store, once the store has read them.
+  __device__ static void release_o_over_v(BarrierStorage& barriers) { barriers.barrier_o_read.arrive(); }
 
   // Computes the un-normalised O of the tile into tOrO and leaves the softmax state ready for finalize.
   // Requires n_block_max > n_block_min and Q in shared memory (wait_q). With kHoldLastV consumer thread 0

@@ -1,0 +1,31 @@
+"""Forward calls of one shape, for Nsight Compute: two warm-up calls, then the one to profile
+(`ncu --launch-skip 2 --launch-count 1 -k regex:FwdKernel ...`).
+
+    PYTHONPATH=$PWD python3 scripts/profile_fwd.py --headdim 256 --seqlen 512 [--causal] [--softcap 30]
+b * seqlen = 16k and hidden 2048, as the benchmark's default grid.
+"""
+import argparse
+import math
+
+import torch
+
+import flash_ext
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--softcap", type=float, default=0.0)
+    args = parser.parse_args()
+    d, s = args.headdim, args.seqlen
+    b, h = 16384 // s, 2048 // d
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(3):
+        flash_ext.forward(q, k, v, softmax_scale=1 / math.sqrt(d), causal=args.causal, softcap=args.softcap)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
