@@ -333,12 +333,13 @@ struct FwdKernel {
         Epilogue::store(params.epilogue, smem_o(), tile, seq, tidx, tOrO, softmax.row_sum);
       };
       // Softcap, a call's option, costs 2-6% as a branch skipped in every step (perf-notes sections 33-34):
-      // 16-bit tiles up to d128 are compiled with and without it. Elsewhere the registers do not allow it:
-      // three consumer warpgroups (160 registers) spilled Q's descriptors in the softcap path, d256
-      // non-causal spilled 40 bytes and d192 causal's persistent form got a 608-byte stack frame.
+      // tiles up to d128 with two consumer warpgroups (16-bit, and FP8 d128) are compiled with and without
+      // it. Elsewhere the registers do not allow it: three consumer warpgroups (160 registers) spilled Q's
+      // descriptors in the softcap path, d256 non-causal spilled 40 bytes and d192 causal's persistent form
+      // got a 608-byte stack frame.
       auto run_tile = [&](TileCoord const& tile, SeqInfo const& seq) {
         bool const softcap = params.mainloop.scales.softcap_pre_scale > 0.f;
-        if constexpr (!Config::kIsFp8 && Config::kNumMmaWarpGroups == 2 && Config::kHeadDim <= 128) {
+        if constexpr (Config::kNumMmaWarpGroups == 2 && Config::kHeadDim <= 128) {
           if (softcap) {
             compute_tile(tile, seq, cute::true_type{});
           } else {
