@@ -17,8 +17,9 @@ template <class Element, int kHeadDim, bool kIsCausal>
 struct FwdLauncher {
   using Config = FwdConfig<Element, kHeadDim, kIsCausal>;
   using Policy = FwdLaunchPolicy<Config>;  // decides the launch form, and the workspace, for both configurations
-  // Taller tiles for one CTA per tile, where tile_size.h gives them (kBlockMLong): dense calls that Policy
-  // does not run persistent. Varlen calls keep Config's tiles, which VarlenPrepare's tile list is made of.
+  // Taller or wider tiles for one CTA per tile, where tile_size.h gives them (kBlockMLong, kBlockNLong): dense
+  // calls that Policy does not run persistent. Varlen calls keep Config's tiles, which VarlenPrepare's tile
+  // list is made of.
   using LongConfig = FwdConfig<Element, kHeadDim, kIsCausal, /*kLongTiles=*/true>;
 
   static size_t workspace_bytes(FwdParams const& p) { return Policy::workspace_bytes(p); }
@@ -34,7 +35,8 @@ struct FwdLauncher {
     };
     if constexpr (Config::kHasLongTiles) {
       // Never persistent: FwdLaunchPolicy<LongConfig> finds at least as many keys per tile (its tiles are
-      // taller) against the same limit, so its scheduler agrees that this launch is one CTA per tile.
+      // as tall or taller) against the same limit, so its scheduler agrees that this launch is one CTA per
+      // tile.
       if (!mode.persistent && !p.varlen.enabled()) {
         launch(FwdKernel<LongConfig, /*kPersistent=*/false>{});
         return;

@@ -19,17 +19,18 @@ namespace flash {
 // kBlockN = 80 spilled, so they use smaller tiles. d128 non-causal: 128x176 is 3-5% faster from 4k on than
 // 128x128; 128x128 would leave room for the separate O buffer of persistent launches (+13% at 512): long
 // sequences won (perf-notes section 5).
-// kBlockMLong, where present, is the tile height of the one-CTA-per-tile kernel (long sequences) when it
-// differs from the persistent kernel's. d64 causal: 192-row tiles (three consumer warpgroups) are 7-11%
-// faster from 4k keys on, 10-11% slower at 512-1k (a third of the last tile empty, more masked blocks per
-// tile), and their persistent form's producer spills (perf-notes section 30).
+// kBlockMLong / kBlockNLong, where present, are the tile of the one-CTA-per-tile kernel (long sequences)
+// where it differs from the persistent kernel's. d64 causal: 192-row tiles (three consumer warpgroups) are
+// 7-11% faster from 4k keys on, 10-11% slower at 512-1k (a third of the last tile empty, more masked blocks
+// per tile), and their persistent form's producer spills (perf-notes section 30). d256 causal: 80-key blocks
+// are 3-4% faster from 4k keys on and 3-6% slower at 512-1k, in either form (perf-notes section 36).
 template <int kHeadDim, bool kIsCausal>
 struct FwdTileSize16;
 template <bool C> struct FwdTileSize16<64, C>  { static constexpr int kBlockM = C ? 128 : 192, kBlockN = 128, kBlockMLong = 192; };
 template <bool C> struct FwdTileSize16<96, C>  { static constexpr int kBlockM = 128, kBlockN = 128; };
 template <bool C> struct FwdTileSize16<128, C> { static constexpr int kBlockM = 128, kBlockN = C ? 128 : 176; };
 template <bool C> struct FwdTileSize16<192, C> { static constexpr int kBlockM = 128, kBlockN = C ? 96 : 112; };
-template <bool C> struct FwdTileSize16<256, C> { static constexpr int kBlockM = 128, kBlockN = C ? 64 : 80; };
+template <bool C> struct FwdTileSize16<256, C> { static constexpr int kBlockM = 128, kBlockN = C ? 64 : 80, kBlockNLong = 80; };
 
 // FP8 (e4m3) tiles: twice the GEMM rate per byte of shared memory, so longer K/V blocks; V also needs a
 // transposed copy (mainloop_fwd.h), which the 16-bit kernels do not. d128 causal at kBlockN = 224 spilled
@@ -42,7 +43,7 @@ template <bool C> struct FwdTileSizeFp8<128, C> { static constexpr int kBlockM =
 template <bool C> struct FwdTileSizeFp8<192, C> { static constexpr int kBlockM = 128, kBlockN = 160; };
 template <bool C> struct FwdTileSizeFp8<256, C> { static constexpr int kBlockM = 128, kBlockN = 128; };
 
-// A tile size's kBlockMLong, or its kBlockM where it has none.
+// A tile size's kBlockMLong (kBlockNLong), or its kBlockM (kBlockN) where it has none.
 template <class TileSize, class = void>
 struct LongTileBlockM {
   static constexpr int value = TileSize::kBlockM;
@@ -51,9 +52,17 @@ template <class TileSize>
 struct LongTileBlockM<TileSize, std::void_t<decltype(TileSize::kBlockMLong)>> {
   static constexpr int value = TileSize::kBlockMLong;
 };
+template <class TileSize, class = void>
+struct LongTileBlockN {
+  static constexpr int value = TileSize::kBlockN;
+};
+template <class TileSize>
+struct LongTileBlockN<TileSize, std::void_t<decltype(TileSize::kBlockNLong)>> {
+  static constexpr int value = TileSize::kBlockNLong;
+};
 
 // The static configuration of one forward kernel. kLongTiles: the one-CTA-per-tile kernel's tiles
-// (kBlockMLong); FwdLauncher instantiates that configuration only where kHasLongTiles.
+// (kBlockMLong, kBlockNLong); FwdLauncher instantiates that configuration only where kHasLongTiles.
 template <class Element_, int kHeadDim_, bool kIsCausal_, bool kLongTiles_ = false>
 struct FwdConfig {
   static_assert(sizeof(Element_) == 2 || sizeof(Element_) == 1, "16-bit or FP8 (e4m3) inputs");
@@ -70,8 +79,9 @@ struct FwdConfig {
   static constexpr bool kHasLongTiles = false;
 #else
   static constexpr int kBlockM = kLongTiles_ ? LongTileBlockM<TileSize>::value : TileSize::kBlockM;
-  static constexpr int kBlockN = TileSize::kBlockN;
-  static constexpr bool kHasLongTiles = LongTileBlockM<TileSize>::value != TileSize::kBlockM;
+  static constexpr int kBlockN = kLongTiles_ ? LongTileBlockN<TileSize>::value : TileSize::kBlockN;
+  static constexpr bool kHasLongTiles =
+      LongTileBlockM<TileSize>::value != TileSize::kBlockM || LongTileBlockN<TileSize>::value != TileSize::kBlockN;
 #endif
   static constexpr int kStages = 2;  // K/V pipeline depth
   static constexpr int kMaxOffset = kIsFp8 ? kFp8MaxOffset : 0;  // flash.h
