@@ -266,9 +266,9 @@ struct FwdKernel {
           TileCoord const tile = scheduler.coord(scheduler.first());
           SeqInfo const seq = sequence(tile);
           KeyBlocks const blocks = key_blocks(tile, seq);
-          Mainloop::template load</*kLoopsOverTiles=*/false, /*kOOverV=*/false>(params.mainloop, storage.tensors.mainloop, storage.barriers,
-                                                             pipelines, write_state, tile, seq, blocks.min, blocks.max, 0,
-                                                             [] {});
+          Mainloop::template load</*kLoopsOverTiles=*/false, /*kOOverV=*/false>(
+              params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, seq, blocks.min,
+              blocks.max, 0, [] {});
         }
       } else if (Mainloop::kTransposeV && warp_idx > 0) {
         static_assert(!(kPersistent && Mainloop::kTransposeV), "the transposing warps compute one tile");

@@ -114,7 +114,7 @@ struct FwdMainloop {
   struct BarrierStorage16 {
     alignas(16) BarrierQ barrier_q;             // Q landed (phase = tile iteration & 1)
     alignas(16) BarrierQEmpty barrier_q_empty;  // Q's buffer may be overwritten with the next tile's Q
-    // Kernels that stage O over V's stages (persistent d256): the previous tile's store of O has read them,
+    // Kernels that stage O over V's stages (persistent d256 causal): the previous tile's store of O has read them,
     // so the next tile's V may land (phase = tile iteration & 1).
     alignas(16) BarrierQEmpty barrier_o_read;
     alignas(16) typename PipelineKV::SharedStorage pipeline_k;

@@ -13,53 +13,41 @@
 
 namespace flash {
 
-// kBlockM x kBlockN per head dim for 16-bit forward kernels. Shared memory: Q (kBlockM x d) + 2 stages each
-// of K and V (kBlockN x d) must stay under 227 KB.
+// A forward kernel's tile: kBlockM x kBlockN, and kBlockMLong x kBlockNLong for the one-CTA-per-tile kernel
+// of long sequences where that differs (FwdLauncher's LongConfig; the persistent kernel keeps the first).
+template <int kBlockM_, int kBlockN_, int kBlockMLong_ = kBlockM_, int kBlockNLong_ = kBlockN_>
+struct FwdTile {
+  static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kBlockMLong = kBlockMLong_, kBlockNLong = kBlockNLong_;
+};
+
+// 16-bit forward tiles per head dim. Shared memory: Q (kBlockM x d) + 2 stages each of K and V (kBlockN x d)
+// must stay under 227 KB.
 // Causal kernels carry the mask's extra live registers: d192 causal at kBlockN = 112 and d256 causal at
-// kBlockN = 80 spilled, so they use smaller tiles. d128 non-causal: 128x176 is 3-5% faster from 4k on than
-// 128x128; 128x128 would leave room for the separate O buffer of persistent launches (+13% at 512): long
-// sequences won (perf-notes section 5).
-// kBlockMLong / kBlockNLong, where present, are the tile of the one-CTA-per-tile kernel (long sequences)
-// where it differs from the persistent kernel's. d64 causal: 192-row tiles (three consumer warpgroups) are
-// 7-11% faster from 4k keys on, 10-11% slower at 512-1k (a third of the last tile empty, more masked blocks
-// per tile), and their persistent form's producer spills (perf-notes section 30). d256 causal: 80-key blocks
-// are 3-4% faster from 4k keys on and 3-6% slower at 512-1k, in either form (perf-notes section 36).
+// kBlockN = 80 once spilled; both compile clean now but pay only on long sequences (perf-notes sections 32
+// and 36). d128 non-causal: 128x176 is 3-5% faster from 4k on than 128x128; 128x128 would leave room for
+// the separate O buffer of persistent launches (+13% at 512): long sequences won (perf-notes section 5).
+// Long tiles: d64 causal 192-row tiles (three consumer warpgroups) are 7-11% faster from 4k keys on, 10-11%
+// slower at 512-1k (a third of the last tile empty, more masked blocks per tile), and their persistent
+// form's producer spills (perf-notes section 30); d256 causal 80-key blocks are 3-4% faster from 4k keys on
+// and 3-6% slower at 512-1k, in either form (perf-notes section 36).
 template <int kHeadDim, bool kIsCausal>
 struct FwdTileSize16;
-template <bool C> struct FwdTileSize16<64, C>  { static constexpr int kBlockM = C ? 128 : 192, kBlockN = 128, kBlockMLong = 192; };
-template <bool C> struct FwdTileSize16<96, C>  { static constexpr int kBlockM = 128, kBlockN = 128; };
-template <bool C> struct FwdTileSize16<128, C> { static constexpr int kBlockM = 128, kBlockN = C ? 128 : 176; };
-template <bool C> struct FwdTileSize16<192, C> { static constexpr int kBlockM = 128, kBlockN = C ? 96 : 112; };
-template <bool C> struct FwdTileSize16<256, C> { static constexpr int kBlockM = 128, kBlockN = C ? 64 : 80, kBlockNLong = 80; };
+template <bool C> struct FwdTileSize16<64, C> : FwdTile<C ? 128 : 192, 128, 192> {};
+template <bool C> struct FwdTileSize16<96, C> : FwdTile<128, 128> {};
+template <bool C> struct FwdTileSize16<128, C> : FwdTile<128, C ? 128 : 176> {};
+template <bool C> struct FwdTileSize16<192, C> : FwdTile<128, C ? 96 : 112> {};
+template <bool C> struct FwdTileSize16<256, C> : FwdTile<128, C ? 64 : 80, 128, 80> {};
 
 // FP8 (e4m3) tiles: twice the GEMM rate per byte of shared memory, so longer K/V blocks; V also needs a
 // transposed copy (mainloop_fwd.h), which the 16-bit kernels do not. d128 causal at kBlockN = 224 spilled
 // in the main loop (the mask's registers), so it takes 192.
 template <int kHeadDim, bool kIsCausal>
 struct FwdTileSizeFp8;
-template <bool C> struct FwdTileSizeFp8<64, C>  { static constexpr int kBlockM = 192, kBlockN = 160; };
-template <bool C> struct FwdTileSizeFp8<96, C>  { static constexpr int kBlockM = 192, kBlockN = 128; };
-template <bool C> struct FwdTileSizeFp8<128, C> { static constexpr int kBlockM = 128, kBlockN = C ? 192 : 224; };
-template <bool C> struct FwdTileSizeFp8<192, C> { static constexpr int kBlockM = 128, kBlockN = 160; };
-template <bool C> struct FwdTileSizeFp8<256, C> { static constexpr int kBlockM = 128, kBlockN = 128; };
-
-// A tile size's kBlockMLong (kBlockNLong), or its kBlockM (kBlockN) where it has none.
-template <class TileSize, class = void>
-struct LongTileBlockM {
-  static constexpr int value = TileSize::kBlockM;
-};
-template <class TileSize>
-struct LongTileBlockM<TileSize, std::void_t<decltype(TileSize::kBlockMLong)>> {
-  static constexpr int value = TileSize::kBlockMLong;
-};
-template <class TileSize, class = void>
-struct LongTileBlockN {
-  static constexpr int value = TileSize::kBlockN;
-};
-template <class TileSize>
-struct LongTileBlockN<TileSize, std::void_t<decltype(TileSize::kBlockNLong)>> {
-  static constexpr int value = TileSize::kBlockNLong;
-};
+template <bool C> struct FwdTileSizeFp8<64, C> : FwdTile<192, 160> {};
+template <bool C> struct FwdTileSizeFp8<96, C> : FwdTile<192, 128> {};
+template <bool C> struct FwdTileSizeFp8<128, C> : FwdTile<128, C ? 192 : 224> {};
+template <bool C> struct FwdTileSizeFp8<192, C> : FwdTile<128, 160> {};
+template <bool C> struct FwdTileSizeFp8<256, C> : FwdTile<128, 128> {};
 
 // The static configuration of one forward kernel. kLongTiles: the one-CTA-per-tile kernel's tiles
 // (kBlockMLong, kBlockNLong); FwdLauncher instantiates that configuration only where kHasLongTiles.
@@ -78,10 +66,9 @@ struct FwdConfig {
   static constexpr int kBlockN = FLASH_EXT_TILE_N;
   static constexpr bool kHasLongTiles = false;
 #else
-  static constexpr int kBlockM = kLongTiles_ ? LongTileBlockM<TileSize>::value : TileSize::kBlockM;
-  static constexpr int kBlockN = kLongTiles_ ? LongTileBlockN<TileSize>::value : TileSize::kBlockN;
-  static constexpr bool kHasLongTiles =
-      LongTileBlockM<TileSize>::value != TileSize::kBlockM || LongTileBlockN<TileSize>::value != TileSize::kBlockN;
+  static constexpr int kBlockM = kLongTiles_ ? TileSize::kBlockMLong : TileSize::kBlockM;
+  static constexpr int kBlockN = kLongTiles_ ? TileSize::kBlockNLong : TileSize::kBlockN;
+  static constexpr bool kHasLongTiles = TileSize::kBlockMLong != TileSize::kBlockM || TileSize::kBlockNLong != TileSize::kBlockN;
 #endif
   static constexpr int kStages = 2;  // K/V pipeline depth
   static constexpr int kMaxOffset = kIsFp8 ? kFp8MaxOffset : 0;  // flash.h
