@@ -55,8 +55,8 @@ struct FwdLaunchPolicy {
   static constexpr bool kOInVStage = !FLASH_EXT_FORCE_DIRECT_O && !kOwnOBuffer && !Mainloop::kTransposeV &&
                                      !Config::kIsCausal && EpilogueAsync::kSmemBytes <= Mainloop::kSmemBytesVStage;
   // O written from registers (FwdEpilogue, OStore::kDirect): d192, +5-10% at 512 keys and +1-6% at 1k over one
-  // CTA per tile. d256 only within noise (+1.5-2% at 512, -2% at 1k; its persistent consumers spill 36 bytes):
-  // no persistent form, which would cost compile time for nothing (perf-notes section 28).
+  // CTA per tile. d256 only within noise that way (+1.5-2% at 512, -2% at 1k; its persistent consumers spill 36
+  // bytes, perf-notes section 28): d256 causal stages O over V instead (kOOverV below).
   static constexpr bool kODirect = !kOwnOBuffer && !kOInVStage && !Mainloop::kTransposeV &&
                                    (FLASH_EXT_FORCE_DIRECT_O || Config::kHeadDim <= 192);
   // O staged over both V stages (d256 causal, whose O is larger than one stage): the next tile's first V waits
