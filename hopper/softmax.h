@@ -52,10 +52,26 @@ __device__ __forceinline__ void reduce_sum_thread(Tensor<Engine0, Layout0> const
   thread_reduce_<kZeroInit>(tensor, row_sum, sum_op);
 }
 
-// tensor(mi, ni) = exp2(tensor(mi, ni) * scale - (max(mi) * scale - kMaxOffset)): one FFMA and one EX2.
+// 2^x on the FMA and integer pipes instead of the MUFU unit, for P's arguments (x <= kMaxOffset; -inf gives
+// 0): x = j + f with j = round(x) and |f| <= 1/2, 2^f by a cubic (relative error under 8e-5, far below the
+// rounding of P to 16 bits or e4m3), j added to its exponent. Eight instructions where EX2 is one, but
+// where the exponentials need as long on MUFU as the GEMMs on the tensor pipe (FP8, d64), a share of them
+// moved here shortens the softmax (perf-notes section 37).
+__device__ __forceinline__ float exp2_on_fma(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding it leaves round(x) in the low mantissa bits
+  x = fmaxf(x, -126.f);                 // 2^j stays a (tiny) positive float; -inf becomes 2^-126 ~ 0
+  float const shifted = __fadd_rn(x, kRound);
+  float const f = __fsub_rn(x, __fsub_rn(shifted, kRound));
+  float const p = fmaf(fmaf(fmaf(0.05517167f, f, 0.24261115f), f, 0.69326097f), f, 0.99992806f);
+  // shifted's bits are 0x4B400000 + j; shifted left by 23 that is j * 2^23 (mod 2^32): j joins p's exponent.
+  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
+}
+
+// tensor(mi, ni) = exp2(tensor(mi, ni) * scale - (max(mi) * scale - kMaxOffset)): one FFMA and one EX2
+// (every kExp2OnFmaEvery-th column: exp2_on_fma instead; 0 = none).
 // With kCheckInf a row whose max is -inf (every score masked so far) uses 0 instead, so exp2(-inf) = 0
 // rather than exp2(NaN).
-template <bool kCheckInf, int kMaxOffset, class Engine0, class Layout0, class Engine1, class Layout1>
+template <bool kCheckInf, int kMaxOffset, int kExp2OnFmaEvery, class Engine0, class Layout0, class Engine1, class Layout1>
 __device__ __forceinline__ void scale_apply_exp2(Tensor<Engine0, Layout0>& tensor, Tensor<Engine1, Layout1> const& max,
                                                  float const scale) {
   constexpr float kOffset = float(kMaxOffset);
@@ -64,14 +80,18 @@ __device__ __forceinline__ void scale_apply_exp2(Tensor<Engine0, Layout0>& tenso
     float const max_scaled =
         kCheckInf ? (max(mi) == -INFINITY ? 0.f : max(mi) * scale - kOffset) : max(mi) * scale - kOffset;
     CUTLASS_PRAGMA_UNROLL
-    for (int ni = 0; ni < size<1>(tensor); ++ni) { tensor(mi, ni) = exp2f(tensor(mi, ni) * scale - max_scaled); }
+    for (int ni = 0; ni < size<1>(tensor); ++ni) {
+      float const x = tensor(mi, ni) * scale - max_scaled;
+      constexpr int kEvery = kExp2OnFmaEvery > 0 ? kExp2OnFmaEvery : 1;  // (no % 0 where it is off)
+      tensor(mi, ni) = kExp2OnFmaEvery > 0 && ni % kEvery == kEvery - 1 ? exp2_on_fma(x) : exp2f(x);
+    }
   }
 }
 
 // kNRows: rows of the score tile this thread holds (2 per 64-row GMMA atom). kMaxOffset: P is produced
 // scaled by 2^kMaxOffset (8 for FP8, to use its range); finalize divides it back out of the LSE, and
 // the 1/sum it returns already includes it for O.
-template <int kNRows, int kMaxOffset = 0>
+template <int kNRows, int kMaxOffset = 0, int kExp2OnFmaEvery = 0>
 struct Softmax {
   using TensorT = decltype(make_tensor<float>(Shape<Int<kNRows>>{}));
   TensorT row_max, row_sum;
@@ -111,7 +131,7 @@ struct Softmax {
   template <bool kIsFirst, bool kCheckInf = false, class Tensor0>
   __device__ __forceinline__ void online_softmax(Tensor0& acc_s) {
     Tensor scores = make_rowcol_view(acc_s);
-    scale_apply_exp2<kCheckInf, kMaxOffset>(scores, row_max, softmax_scale_log2);
+    scale_apply_exp2<kCheckInf, kMaxOffset, kExp2OnFmaEvery>(scores, row_max, softmax_scale_log2);
     reduce_sum_thread</*kZeroInit=*/kIsFirst>(scores, row_sum);
   }
 
