@@ -68,16 +68,17 @@ struct FwdLaunchPolicy {
                                   EpilogueAsync::kSmemBytes <= Mainloop::kStages * Mainloop::kSmemBytesVStage;
   static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage || kODirect || kOOverV;
   // Persistent while a tile spans at most this many keys; beyond, one CTA per tile. Both forms timed in one
-  // process (perf-notes sections 15 and 32): persistent wins through 8k keys at d64 non-causal (+3%) and d192
-  // causal (+5-8%), through 4k at d128 (+2-4%), through 2k at d256 causal (+1-10%, -2.5% at 4k, section 35),
-  // and loses from 2k on at d192 non-causal (-1 to -4%); d64 causal's one-CTA-per-tile form has taller tiles
-  // (section 30), which win from 4k. Elsewhere 16 K/V blocks.
+  // process (perf-notes sections 15, 32 and 39): persistent wins through 8k keys at d64 non-causal (+3%) and
+  // d192 causal (+5-8%), through 4k at d128 (+2-4%) and at d64 and d256 causal (+1-5% at 4k once the L2
+  // groups are equal, section 39), and loses from 2k on at d192 non-causal (-1 to -4%); beyond 4k the
+  // one-CTA-per-tile forms of d64 and d256 causal have taller or wider tiles (sections 30 and 36), which win.
+  // Elsewhere 16 K/V blocks.
   static constexpr int persistent_max_keys() {
     switch (Config::kHeadDim) {
-      case 64: return Config::kIsCausal ? 2048 : 8192;
+      case 64: return Config::kIsCausal ? 4096 : 8192;
       case 128: return 4096;
       case 192: return Config::kIsCausal ? 8192 : 16 * Config::kBlockN;
-      case 256: return 2048;
+      case 256: return 4096;
       default: return 16 * Config::kBlockN;
     }
   }
