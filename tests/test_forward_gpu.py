@@ -158,10 +158,11 @@ def test_forward_launch_modes(headdim, causal, persistent, monkeypatch):
 @pytest.mark.parametrize("persistent", ["0", "1"], ids=["one_cta_per_tile", "persistent"])
 def test_forward_causal_tile_groups(persistent, monkeypatch):
     """Persistent causal CTAs draw tiles from a counter that every call clears (two calls, the same bits),
-    longest first within groups of heads whose K/V fit in L2: 12000 keys of d128 make groups of 4 K/V heads
-    (12 query heads here), so 15 query heads end in a partial group. One CTA per tile: per-head order."""
+    longest first within groups of heads whose K/V fit in L2: 12000 keys of d128 allow 5 K/V heads (15 query
+    heads here) per 32 MB, so 21 query heads make two groups, made equal up to whole K/V heads: 12 and 9.
+    One CTA per tile: per-head order."""
     monkeypatch.setenv("FLASH_EXT_PERSISTENT", persistent)
-    q, k, v = _make_qkv(1, 600, 12000, 15, 5, 128, torch.bfloat16, seed=21)
+    q, k, v = _make_qkv(1, 600, 12000, 21, 7, 128, torch.bfloat16, seed=21)
     _check_against_reference(q, k, v, causal=True)
     out1, lse1 = flash_ext.forward(q, k, v, causal=True)
     out2, lse2 = flash_ext.forward(q, k, v, causal=True)
