@@ -88,20 +88,20 @@ struct FwdConfig {
   // (perf-notes section 37). Where compiled in, FLASH_EXT_PINGPONG=0/1 switches it at run time for A/B
   // measurements.
   static constexpr bool kPingPong = (kHeadDim <= 128 || !kIsCausal) && !(kIsFp8 && kNumMmaWarpGroups == 3);
-  // Each block's softmax held under the warpgroup's own GEMM1 as well as under the other warpgroup's GEMMs
-  // (GEMM1's wait made to follow the exponentials; ptxas otherwise issues it first: perf-notes section 19).
-  // 16-bit d256 non-causal: +0-6% from 512 to 16k; d192 non-causal 2-8% slower, d256 causal mixed (-3% to
-  // +5%), FP8 and d128 3-6% slower (perf-notes sections 19 and 21).
   // Every kExp2OnFmaEvery-th exponential of a thread's row computed on the FMA pipe (softmax.h's
   // exp2_on_fma) instead of MUFU; 0 = none. FP8 non-causal d128 and d192, where the exponentials need
   // about as long on MUFU as the GEMMs on the tensor pipe: every 12th (7% of them) is 3-5% faster (d128:
   // every 8th +3%, every 4th -3%; d256 +-1%). FP8 causal kernels, whose mask already crowds the registers,
-  // lose 8-13%, and 16-bit kernels 2-10% (perf-notes section 37).
+  // lose 8-14% (they spill with it), and 16-bit kernels 2-10% (perf-notes section 37).
 #ifdef FLASH_EXT_EXP2_ON_FMA_EVERY  // variant builds (A/B)
   static constexpr int kExp2OnFmaEvery = FLASH_EXT_EXP2_ON_FMA_EVERY;
 #else
   static constexpr int kExp2OnFmaEvery = kIsFp8 && !kIsCausal && kNumMmaWarpGroups == 2 && kHeadDim <= 192 ? 12 : 0;
 #endif
+  // Each block's softmax held under the warpgroup's own GEMM1 as well as under the other warpgroup's GEMMs
+  // (GEMM1's wait made to follow the exponentials; ptxas otherwise issues it first: perf-notes section 19).
+  // 16-bit d256 non-causal: +0-6% from 512 to 16k; d192 non-causal 2-8% slower, d256 causal mixed (-3% to
+  // +5%), FP8 and d128 3-6% slower (perf-notes sections 19 and 21).
 #ifdef FLASH_EXT_SOFTMAX_UNDER_GEMM1  // variant builds (A/B)
   static constexpr bool kSoftmaxUnderGemm1 = FLASH_EXT_SOFTMAX_UNDER_GEMM1;
 #else

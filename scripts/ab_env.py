@@ -5,6 +5,8 @@ build reads), interleaved over rounds; median TFLOP/s per setting, outputs compa
     PYTHONPATH=$PWD python3 scripts/ab_env.py --build main --headdims 128 --seqlens 4096,8192 --causal 1 \\
         --settings "FLASH_EXT_PERSISTENT=0;FLASH_EXT_PERSISTENT=1"
 (--build NAME: a variant build's ops, torch.ops.flash_ext_NAME; --dtype bf16|fp16|fp8)
+A knob missing from a setting is unset there. "VAR=" sets it to the empty string, which the extension's own
+knobs (env_override in csrc/flash_api.cpp) read as unset but a plain getenv() check reads as set.
 """
 import argparse
 import importlib
