@@ -29,7 +29,8 @@ struct FwdTile {
 // Long tiles: d64 causal 192-row tiles (three consumer warpgroups) are 7-11% faster from 4k keys on, 10-11%
 // slower at 512-1k (a third of the last tile empty, more masked blocks per tile), and their persistent
 // form's producer spills (perf-notes section 30); d256 causal 80-key blocks are 3-4% faster from 4k keys on
-// and 3-6% slower at 512-1k, in either form (perf-notes section 36).
+// and 3-6% slower at 512-1k, in either form (perf-notes section 36). Since the equal L2 groups of section
+// 39, the persistent kernel with the base tiles matches or beats both at 4k: they run beyond 4k keys.
 template <int kHeadDim, bool kIsCausal>
 struct FwdTileSize16;
 template <bool C> struct FwdTileSize16<64, C> : FwdTile<C ? 128 : 192, 128, 192> {};
