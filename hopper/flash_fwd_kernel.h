@@ -232,7 +232,6 @@ struct FwdKernel {
     }
     // The pipelines initialise their barriers from warp 0; the __syncthreads below publishes them.
     auto pipelines = Mainloop::make_pipelines(storage.barriers, warp_group_idx == 0, is_producer_thread);
-    __syncthreads();
 
     // The K/V blocks [min, max) a tile needs.
     struct KeyBlocks {
@@ -244,11 +243,30 @@ struct FwdKernel {
     };
     auto sequence = [&](TileCoord const& tile) { return params.mainloop.seqs.at(tile.batch); };
 
+    // One CTA per tile: the TMA thread issues Q and the first K/V block before the CTA-wide barrier, on
+    // barriers its own warp has just initialised (__syncwarp orders that). The CTA's start (the barrier,
+    // setmaxnreg) then overlaps their flight instead of preceding it (perf-notes sections 38 and 40).
+    using LoadPart = typename Mainloop::LoadPart;
+    typename Mainloop::PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
+    if constexpr (!kPersistent) {
+      if (warp_idx == 0) {
+        __syncwarp();
+        if (is_producer_thread) {
+          TileCoord const tile = scheduler.coord(scheduler.first());
+          SeqInfo const seq = sequence(tile);
+          KeyBlocks const blocks = key_blocks(tile, seq);
+          Mainloop::template load</*kLoopsOverTiles=*/false, /*kOOverV=*/false, LoadPart::kHead>(
+              params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, seq, blocks.min,
+              blocks.max, 0, [] {});
+        }
+      }
+    }
+    __syncthreads();
+
     if (warp_group_idx == 0) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       // One thread issues the TMA loads; FP8: warps 1-3 transpose V.
       if (is_producer_thread) {
-        typename Mainloop::PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
         if constexpr (kPersistent) {
           int iteration = 0;
           for (int t = scheduler.first(); scheduler.valid(t); ++iteration) {
@@ -267,7 +285,7 @@ struct FwdKernel {
           TileCoord const tile = scheduler.coord(scheduler.first());
           SeqInfo const seq = sequence(tile);
           KeyBlocks const blocks = key_blocks(tile, seq);
-          Mainloop::template load</*kLoopsOverTiles=*/false, /*kOOverV=*/false>(
+          Mainloop::template load</*kLoopsOverTiles=*/false, /*kOOverV=*/false, LoadPart::kTail>(
               params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, seq, blocks.min,
               blocks.max, 0, [] {});
         }

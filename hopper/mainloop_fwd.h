@@ -20,6 +20,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/fast_math.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "flash.h"
@@ -150,7 +151,7 @@ struct FwdMainloop {
     TmaKV tma_k, tma_v;
     Sequences seqs;  // each sequence's lengths and rows (varlen.h)
     int band_left, band_right;  // the window's sides (Band::side): read by the causal kernels (band())
-    int qheads_per_kvhead;
+    cutlass::FastDivmod qheads_per_kvhead;  // query heads per K/V head, divided by without a division
     ScoreScales scales;  // softmax scale and softcap (softcap.h)
     bool pingpong;  // consumer warpgroups take turns issuing GEMMs (WarpgroupScheduler)
     DescaleTensor q_descale, k_descale, v_descale;  // FP8 only
@@ -165,7 +166,7 @@ struct FwdMainloop {
   __device__ static TileScales tile_scales(Params const& params, TileCoord const& tile) {
     ScoreScales const& s = params.scales;
     if constexpr (kTransposeV) {
-      int const head_kv = tile.head / params.qheads_per_kvhead;
+      int const head_kv = params.qheads_per_kvhead.div(tile.head);
       float const qk = params.q_descale.at(tile.batch, head_kv) * params.k_descale.at(tile.batch, head_kv);
       bool const softcap = s.softcap_pre_scale > 0.f;
       return {softcap ? s.softmax_scale_log2 : s.softmax_scale_log2 * qk, s.softcap_pre_scale * qk,
@@ -189,7 +190,7 @@ struct FwdMainloop {
             Sequences::make(p, packed),
             Band::side(p.options.window_left),
             Band::side(p.options.window_right),
-            p.nheads / p.nheads_kv,
+            cutlass::FastDivmod(p.nheads / p.nheads_kv),
             ScoreScales::make(p.softmax_scale, p.options.softcap),
             p.pingpong < 0 ? Config::kPingPong : (Config::kPingPong && p.pingpong != 0),
             p.q_descale,
@@ -290,7 +291,12 @@ struct FwdMainloop {
   // after waiting for Q). A tile that sees no key still gets its Q, so that the Q barriers stay in step with
   // the consumers. kOOverV: the previous tile's O is staged over V's stages, so the tile's first V waits for
   // its store (release_o_over_v); its Q and first K do not. Called by the TMA thread.
-  template <bool kLoopsOverTiles, bool kOOverV, class PublishTile>
+  // Which of a tile's loads one call issues: all (CTAs that loop over tiles), or, for one CTA per tile, Q and
+  // the first K/V block (kHead, issued before the CTA-wide barrier, so that they fly while the CTA starts up)
+  // and then the remaining blocks (kTail). Both stages are free at the start, so kHead never waits.
+  enum class LoadPart { kWhole, kHead, kTail };
+
+  template <bool kLoopsOverTiles, bool kOOverV, LoadPart kPart = LoadPart::kWhole, class PublishTile>
   __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers,
                               Pipelines& pipelines, PipelineState& write_state, TileCoord const& tile, SeqInfo const& seq,
                               int n_block_min, int n_block_max, int tile_iteration, PublishTile&& publish_tile) {
@@ -300,7 +306,7 @@ struct FwdMainloop {
     Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(tensors.smem_v.data()), SmemLayoutV{});
 
-    int const head_kv = tile.head / params.qheads_per_kvhead;
+    int const head_kv = params.qheads_per_kvhead.div(tile.head);
     TmaRows const q_rows = params.seqs.q_rows(seq, tile.batch), k_rows = params.seqs.k_rows(seq, tile.batch);
     Tensor mQ = sequence_slice(params.tma_q.get_tma_tensor(params.shape_q), q_rows, tile.head);
     Tensor mK = sequence_slice(params.tma_k.get_tma_tensor(params.shape_k), k_rows, head_kv);
@@ -331,29 +337,34 @@ struct FwdMainloop {
       ++write_state;
     };
 
-    bool const has_keys = n_block_max > n_block_min;
-    if constexpr (kLoopsOverTiles) {
-      if (has_keys) { load_k(n_block_max - 1); }
-      if (tile_iteration > 0) { barriers.barrier_q_empty.wait((tile_iteration - 1) & 1); }
-      publish_tile();
+    static_assert(kPart == LoadPart::kWhole || !kLoopsOverTiles, "split loads: one CTA per tile");
+    if constexpr (kPart != LoadPart::kTail) {
+      bool const has_keys = n_block_max > n_block_min;
+      if constexpr (kLoopsOverTiles) {
+        if (has_keys) { load_k(n_block_max - 1); }
+        if (tile_iteration > 0) { barriers.barrier_q_empty.wait((tile_iteration - 1) & 1); }
+        publish_tile();
+      }
+      using BarrierType = typename BarrierQ::ValueType;
+      barriers.barrier_q.arrive_and_expect_tx(kTmaBytesQ);
+      copy(params.tma_q.with(reinterpret_cast<BarrierType&>(barriers.barrier_q), 0), tQgQ, tQsQ);
+      if (!has_keys) { return; }
+      if constexpr (!kLoopsOverTiles) { load_k(n_block_max - 1); }
+      if constexpr (kOOverV) {
+        // A parity wait: the consumers are never two tiles ahead of it (their arrival for a tile comes after
+        // the next tile's Q, and the tile after needs this tile's V).
+        if (tile_iteration > 0) { barriers.barrier_o_read.wait((tile_iteration - 1) & 1); }
+      }
+      load_v(n_block_max - 1);
     }
-    using BarrierType = typename BarrierQ::ValueType;
-    barriers.barrier_q.arrive_and_expect_tx(kTmaBytesQ);
-    copy(params.tma_q.with(reinterpret_cast<BarrierType&>(barriers.barrier_q), 0), tQgQ, tQsQ);
-    if (!has_keys) { return; }
-    if constexpr (!kLoopsOverTiles) { load_k(n_block_max - 1); }
-    if constexpr (kOOverV) {
-      // A parity wait: the consumers are never two tiles ahead of it (their arrival for a tile comes after
-      // the next tile's Q, and the tile after needs this tile's V).
-      if (tile_iteration > 0) { barriers.barrier_o_read.wait((tile_iteration - 1) & 1); }
-    }
-    load_v(n_block_max - 1);
-    // Not unrolled: the producer has 32 registers beside three consumer warpgroups, and the unrolled loop's
-    // precomputed addresses spilled there (64 bytes at d64, persistent).
+    if constexpr (kPart != LoadPart::kHead) {
+      // Not unrolled: the producer has 32 registers beside three consumer warpgroups, and the unrolled loop's
+      // precomputed addresses spilled there (64 bytes at d64, persistent).
 #pragma unroll 1
-    for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
-      load_k(n_block);
-      load_v(n_block);
+      for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
+        load_k(n_block);
+        load_v(n_block);
+      }
     }
   }
 

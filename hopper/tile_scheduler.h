@@ -22,6 +22,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <cutlass/fast_math.h>
+
 #include "utils.h"
 
 namespace flash {
@@ -44,6 +46,11 @@ struct TileScheduler {
   int* const counter;         // persistent launches with a dynamic tile order; nullptr = static
   TileList const list;        // varlen: the tiles, of which num_tiles is a bound
 
+  // Divisors made on the host (a multiply-high and a shift on the device): a CTA's first loads wait for its
+  // tile's coordinates, and three signed divisions took a few hundred cycles there (perf-notes section 38).
+  cutlass::FastDivmod const tiles_per_group_div, group_div, last_group_div, nheads_div;
+  __host__ __device__ static constexpr int positive(int n) { return n > 0 ? n : 1; }  // empty launches
+
   __host__ __device__ TileScheduler(int seqlen, int nheads_, int batch, bool reverse_, int heads_per_group_ = 1,
                                     int* counter_ = nullptr)
       : num_blocks(ceil_div(seqlen, kBlock)),
@@ -53,11 +60,15 @@ struct TileScheduler {
         reverse(reverse_),
         heads_per_group(heads_per_group_),
         counter(counter_),
-        list() {}
+        list(),
+        tiles_per_group_div(positive(heads_per_group_ * num_blocks)),
+        group_div(positive(heads_per_group_)),
+        last_group_div(positive(num_head_batch - (ceil_div(num_head_batch, positive(heads_per_group_)) - 1) * heads_per_group_)),
+        nheads_div(positive(nheads_)) {}
   // Varlen: the tiles of `list`, at most max_tiles.
   __host__ __device__ TileScheduler(TileList list_, int max_tiles, int* counter_ = nullptr)
       : num_blocks(0), nheads(1), num_head_batch(1), num_tiles(max_tiles), reverse(false), heads_per_group(1),
-        counter(counter_), list(list_) {}
+        counter(counter_), list(list_), tiles_per_group_div(1), group_div(1), last_group_div(1), nheads_div(1) {}
 
   dim3 grid(bool persistent, int num_sms) const {
     return dim3(unsigned(persistent ? std::min(num_tiles, num_sms) : num_tiles));
@@ -90,14 +101,13 @@ struct TileScheduler {
 
   __device__ __forceinline__ TileCoord coord(int tile) const {
     if (list.tiles != nullptr) { return list.tiles[tile]; }
-    int const tiles_per_group = heads_per_group * num_blocks;
-    int const group = tile / tiles_per_group;
-    int const in_group = tile - group * tiles_per_group;
+    int group, in_group, level, in_level, batch, head;
+    tiles_per_group_div(group, in_group, tile);
     int const group_start = group * heads_per_group;
-    int const group_size = heads_per_group < num_head_batch - group_start ? heads_per_group : num_head_batch - group_start;
-    int const level = in_group / group_size;
-    int const head_batch = group_start + (in_group - level * group_size);
-    return {reverse ? num_blocks - 1 - level : level, head_batch % nheads, head_batch / nheads};
+    // Only the last group may be smaller.
+    (heads_per_group < num_head_batch - group_start ? group_div : last_group_div)(level, in_level, in_group);
+    nheads_div(batch, head, group_start + in_level);
+    return {reverse ? num_blocks - 1 - level : level, head, batch};
   }
 };
 
