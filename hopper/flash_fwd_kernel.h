@@ -33,8 +33,9 @@ using namespace cute;
 // That needs O to leave without holding up the next Q: staged in a buffer of its own where one fits beside
 // the mainloop's storage, else (non-causal 16-bit, kBlockN >= kBlockM) in the V stage the tile's last GEMM1
 // read (the next tile's first K/V block goes to the other stage; the consumers hand this one back once the
-// store has read it), else (d192) written from registers straight to global memory. FP8 keeps one tile per
-// CTA (its transposing warps walk one tile), and so does d256 (persistence measured within noise there).
+// store has read it), else (d192, FP8 up to d192) written from registers straight to global memory. FP8's
+// transposing warps walk the tiles with the consumers. d256 keeps one tile per CTA (16-bit non-causal:
+// persistence measured within noise; FP8: slower).
 // Causal tiles differ in length: persistent causal CTAs draw tiles from a counter, longest first over groups
 // of heads (tile_scheduler.h), so the SMs finish together; non-causal ones walk equal tiles statically.
 //
@@ -57,8 +58,9 @@ struct FwdLaunchPolicy {
   // O written from registers (FwdEpilogue, OStore::kDirect): d192, +5-10% at 512 keys and +1-6% at 1k over one
   // CTA per tile. d256 only within noise that way (+1.5-2% at 512, -2% at 1k; its persistent consumers spill 36
   // bytes, perf-notes section 28): d256 causal stages O over V instead (kOOverV below).
-  static constexpr bool kODirect = !kOwnOBuffer && !kOInVStage && !Mainloop::kTransposeV &&
-                                   (FLASH_EXT_FORCE_DIRECT_O || Config::kHeadDim <= 192);
+  // FP8 up to d192 too (its O, bf16, is twice Q's size and shared memory is full of V's two copies); FP8 d256's
+  // persistent form spilled 72 bytes and ran 4-15% slower from 2k keys (perf-notes section 41).
+  static constexpr bool kODirect = !kOwnOBuffer && !kOInVStage && (FLASH_EXT_FORCE_DIRECT_O || Config::kHeadDim <= 192);
   // O staged over both V stages (d256 causal, whose O is larger than one stage): the next tile's first V waits
   // for the store, its Q and first K do not (FwdMainloop::load). +10% at 512 keys, +4% at 1k over one CTA per
   // tile; d256 non-causal +3% at 512 only, -2 to -4% from 1k, and its consumers spill 24 bytes (perf-notes
@@ -74,6 +76,13 @@ struct FwdLaunchPolicy {
   // one-CTA-per-tile forms of d64 and d256 causal have taller or wider tiles (sections 30 and 36), which win.
   // Elsewhere 16 K/V blocks.
   static constexpr int persistent_max_keys() {
+    if constexpr (Config::kIsFp8) {
+      // FP8 (d256 has no persistent form; perf-notes section 41): persistent wins 11-25% at 512 keys and
+      // through 8k in causal calls (+3-7% at 8k; d64 +3% at 16k), and non-causal through 8k at d64 and d192;
+      // at d96 and d128 it loses 1% from 4k-8k on.
+      if (Config::kIsCausal) { return Config::kHeadDim == 64 ? 16384 : 8192; }
+      return Config::kHeadDim == 96 || Config::kHeadDim == 128 ? 2048 : 8192;
+    }
     switch (Config::kHeadDim) {
       case 64: return Config::kIsCausal ? 4096 : 8192;
       case 128: return 4096;
@@ -290,11 +299,27 @@ struct FwdKernel {
               blocks.max, 0, [] {});
         }
       } else if (Mainloop::kTransposeV && warp_idx > 0) {
-        static_assert(!(kPersistent && Mainloop::kTransposeV), "the transposing warps compute one tile");
-        TileCoord const tile = scheduler.coord(scheduler.first());
-        KeyBlocks const blocks = key_blocks(tile, sequence(tile));
-        Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, max(0, blocks.max - blocks.min),
-                                 int(threadIdx.x) - cutlass::NumThreadsPerWarp);
+        int const transpose_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarp;
+        if constexpr (kPersistent) {
+          // The tiles as the consumers learn them: published with Q (the slot is not reused before the
+          // consumers finish the tile, which needs this tile's transposes).
+          uint32_t blocks_before = 0;
+          for (int iteration = 0;; ++iteration) {
+            Mainloop::wait_q(storage.barriers, iteration);
+            TileCoord const volatile& slot = storage.tile_slots[iteration & 1];
+            TileCoord const tile{slot.block, slot.head, slot.batch};
+            if (tile.block < 0) { break; }
+            KeyBlocks const blocks = key_blocks(tile, sequence(tile));
+            int const num_blocks = max(0, blocks.max - blocks.min);
+            Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, num_blocks, transpose_idx, blocks_before);
+            blocks_before += uint32_t(num_blocks);
+          }
+        } else {
+          TileCoord const tile = scheduler.coord(scheduler.first());
+          KeyBlocks const blocks = key_blocks(tile, sequence(tile));
+          Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, max(0, blocks.max - blocks.min),
+                                   transpose_idx);
+        }
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();

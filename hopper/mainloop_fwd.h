@@ -260,17 +260,18 @@ struct FwdMainloop {
 
   // FP8, transposing warps (thread_idx 0 .. kNumTransposeThreads - 1): every staged V block of one tile,
   // in the TMA's order, into V^T, each handed to the consumers as soon as it is written. The stages and
-  // phases of both buffers follow from the block count (one tile per CTA: both start at stage 0, and the
-  // staging buffer's producer is the TMA, which starts at phase 1 of its empty barriers): fewer live
-  // registers than two pipeline states, which the lean producer (24 registers) would spill.
+  // phases of both buffers follow from the count of blocks transposed before (`blocks_before`: the CTA's
+  // earlier tiles; both buffers start at stage 0, and the staging buffer's producer is the TMA, which starts
+  // at phase 1 of its empty barriers): fewer live registers than two pipeline states, which the lean
+  // producer (24 registers) would spill.
   __device__ static void transpose_tile(TensorStorage& tensors, BarrierStorage& barriers, int num_blocks,
-                                        int thread_idx) {
+                                        int thread_idx, uint32_t blocks_before = 0) {
     if constexpr (kTransposeV) {
       constexpr int kStageBytes = int(size(take<0, 2>(SmemLayoutV{})) * sizeof(Element));
       static_assert(kStageBytes % 1024 == 0, "stage offsets keep the swizzle phase");
       auto const* staged_base = reinterpret_cast<uint8_t const*>(tensors.smem_v.data());
       auto* transposed_base = reinterpret_cast<uint8_t*>(tensors.smem_vt.data());
-      for (uint32_t block = 0; block < uint32_t(num_blocks); ++block) {
+      for (uint32_t block = blocks_before; block < blocks_before + uint32_t(num_blocks); ++block) {
         uint32_t const staged = block % kStages, vt = block % kStagesVt;
         // Consumer of the staging buffer: its full barrier's phase starts at 0. Producer of V^T: its empty
         // barrier's starts at 1 (the buffer begins empty).

@@ -21,7 +21,7 @@ def main():
     p.add_argument("--seqlens", "--seqlen", default="8192")
     p.add_argument("--causal", default="0", help="comma list of 0/1")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--toggle", default="none", choices=("none", "FLASH_EXT_PINGPONG"),
+    p.add_argument("--toggle", default="none", choices=("none", "FLASH_EXT_PINGPONG", "FLASH_EXT_PERSISTENT"),
                    help="a run-time switch timed on and off for every build")
     a = p.parse_args()
     import flash_ext  # noqa: F401

@@ -95,6 +95,21 @@ def test_fp8_descales_other_than_one(headdim, causal):
     _check(q8, k8, v8, None, k_d, None, causal=causal, softmax_scale=0.02)
 
 
+@pytest.mark.parametrize("persistent", ["0", "1"], ids=["one_cta_per_tile", "persistent"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", HEADDIMS)
+def test_fp8_launch_modes(headdim, causal, persistent, monkeypatch):
+    """Both launch modes, forced through FLASH_EXT_PERSISTENT (FP8 d256 has no persistent form and ignores
+    it): several hundred tiles, so that persistent CTAs walk many tiles (the transposing warps keep their V
+    stages across them), GQA, odd lengths, and descales that differ per (batch, KV head)."""
+    monkeypatch.setenv("FLASH_EXT_PERSISTENT", persistent)
+    batch, nheads, nheads_kv = 3, 40, 8
+    q8, k8, v8, _, _, _ = _inputs(batch, 333, 777, nheads, nheads_kv, headdim, seed=headdim + 7 * causal)
+    gen = torch.Generator(device="cuda").manual_seed(headdim)
+    q_d, k_d, v_d = (torch.rand(batch, nheads_kv, device="cuda", generator=gen) + 0.5 for _ in range(3))
+    _check(q8, k8, v8, q_d, k_d, v_d, causal=causal)
+
+
 def test_fp8_descale_strided_view():
     _require_kernel(128, False)
     q8, k8, v8, q_d, k_d, v_d = _inputs(2, 128, 256, 4, 4, 128, seed=3)
