@@ -311,7 +311,11 @@ struct FwdKernel {
             if (tile.block < 0) { break; }
             KeyBlocks const blocks = key_blocks(tile, sequence(tile));
             int const num_blocks = max(0, blocks.max - blocks.min);
-            Mainloop::transpose_tile(storage.tensors.mainloop, storage.barriers, num_blocks, transpose_idx, blocks_before);
+            // Beside three consumer warpgroups (32 registers), one 8x8 tile in flight per warp: with two and the
+            // tile loop's state, ptxas spilled addresses inside the block loop (d64).
+            constexpr int kTilesInFlight = kProducerRegs > 32 ? Mainloop::kTransposeTilesInFlight : 1;
+            Mainloop::template transpose_tile<kTilesInFlight>(storage.tensors.mainloop, storage.barriers, num_blocks,
+                                                              transpose_idx, blocks_before);
             blocks_before += uint32_t(num_blocks);
           }
         } else {

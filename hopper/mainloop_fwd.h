@@ -87,9 +87,9 @@ struct FwdMainloop {
 #else
   static constexpr int kTransposeTilesInFlight = Config::kProducerRegs >= 32 ? 2 : 1;
 #endif
+  template <int kTilesInFlight = kTransposeTilesInFlight>
   using Transposer = VTransposer<kBlockN, kHeadDim, decltype(take<0, 2>(SmemLayoutV{})),
-                                 decltype(take<0, 2>(SmemLayoutVtTransposed{})), kNumTransposeThreads,
-                                 kTransposeTilesInFlight>;
+                                 decltype(take<0, 2>(SmemLayoutVtTransposed{})), kNumTransposeThreads, kTilesInFlight>;
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename PipelineKV::PipelineState;
@@ -264,6 +264,7 @@ struct FwdMainloop {
   // earlier tiles; both buffers start at stage 0, and the staging buffer's producer is the TMA, which starts
   // at phase 1 of its empty barriers): fewer live registers than two pipeline states, which the lean
   // producer (24 registers) would spill.
+  template <int kTilesInFlight = kTransposeTilesInFlight>
   __device__ static void transpose_tile(TensorStorage& tensors, BarrierStorage& barriers, int num_blocks,
                                         int thread_idx, uint32_t blocks_before = 0) {
     if constexpr (kTransposeV) {
@@ -277,7 +278,7 @@ struct FwdMainloop {
         // barrier's starts at 1 (the buffer begins empty).
         barriers.pipeline_v.full_barrier_[staged].wait((block / kStages) & 1);
         barriers.pipeline_vt.empty_barrier_[vt].wait(((block / kStagesVt) & 1) ^ 1);
-        Transposer::run(staged_base + staged * kStageBytes, transposed_base + vt * kStageBytes, thread_idx);
+        Transposer<kTilesInFlight>::run(staged_base + staged * kStageBytes, transposed_base + vt * kStageBytes, thread_idx);
         cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by GMMA
         barriers.pipeline_vt.full_barrier_[vt].arrive();
         barriers.pipeline_v.empty_barrier_[staged].arrive();  // this thread's reads are done
