@@ -1,29 +1,36 @@
-"""Runs every compiled FP8 forward kernel once on small odd shapes (GQA, partial last blocks, causal rows
-that see no key, several tiles per CTA) with sliding windows and softcap, without reference computations:
-the workload for compute-sanitizer.
+"""Runs every compiled FP8 forward kernel in both launch forms (one CTA per tile, persistent:
+FLASH_EXT_PERSISTENT=0/1; d256 has only the first) once on small odd shapes (GQA, partial last blocks, causal
+rows that see no key, several tiles per CTA) with sliding windows and softcap, without reference
+computations: the workload for compute-sanitizer.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fp8.py
 """
+import os
+
 import torch
 
 import flash_ext
 from compiled_kernels import call_options, compiled_kernels
 
-SHAPES = [(1, 129, 257, 4, 2), (2, 300, 50, 2, 1), (1, 700, 700, 8, 8)]  # (batch, sq, sk, nheads, nheads_kv)
+SHAPES = [(1, 129, 257, 4, 2), (2, 300, 50, 2, 1), (3, 700, 700, 16, 4)]  # (batch, sq, sk, nheads, nheads_kv)
 
 
 def main():
     for d, e4m3, causal in compiled_kernels("fwd", ["e4m3"]):
-        for b, sq, sk, h, hkv in SHAPES:
-            q = torch.randn(b, sq, h, d, device="cuda").to(e4m3)
-            k, v = (torch.randn(b, sk, hkv, d, device="cuda").to(e4m3) for _ in range(2))
-            descale = torch.rand(b, hkv, device="cuda") + 0.5
-            for options in call_options(causal):
-                out, lse = flash_ext.forward(q, k, v, q_descale=descale, k_descale=descale, v_descale=descale,
-                                             **options)
-                assert torch.isfinite(out).all()
-        torch.cuda.synchronize()
-        print(f"d{d} e4m3 causal={causal}: ran", flush=True)
+        for persistent in ("0", "1"):
+            os.environ["FLASH_EXT_PERSISTENT"] = persistent
+            for b, sq, sk, h, hkv in SHAPES:
+                q = torch.randn(b, sq, h, d, device="cuda").to(e4m3)
+                k, v = (torch.randn(b, sk, hkv, d, device="cuda").to(e4m3) for _ in range(2))
+                descale = torch.rand(b, hkv, device="cuda") + 0.5
+                for options in call_options(causal):
+                    out, lse = flash_ext.forward(q, k, v, q_descale=descale, k_descale=descale, v_descale=descale,
+                                                 **options)
+                    assert torch.isfinite(out).all()
+            torch.cuda.synchronize()
+            print(f"d{d} e4m3 causal={causal} persistent={persistent}: ran", flush=True)
+    os.environ.pop("FLASH_EXT_PERSISTENT", None)
+
 
 if __name__ == "__main__":
     main()

@@ -104,9 +104,10 @@ def test_fp8_launch_modes(headdim, causal, persistent, monkeypatch):
     stages across them), GQA, odd lengths, and descales that differ per (batch, KV head)."""
     monkeypatch.setenv("FLASH_EXT_PERSISTENT", persistent)
     batch, nheads, nheads_kv = 3, 40, 8
-    q8, k8, v8, _, _, _ = _inputs(batch, 333, 777, nheads, nheads_kv, headdim, seed=headdim + 7 * causal)
+    q8, k8, v8, *descales = _inputs(batch, 333, 777, nheads, nheads_kv, headdim, seed=headdim + 7 * causal)
+    # Each (batch, KV head) rescaled by its own factor, so that a tile with another tile's descales shows.
     gen = torch.Generator(device="cuda").manual_seed(headdim)
-    q_d, k_d, v_d = (torch.rand(batch, nheads_kv, device="cuda", generator=gen) + 0.5 for _ in range(3))
+    q_d, k_d, v_d = (d * (torch.rand(batch, nheads_kv, device="cuda", generator=gen) + 0.5) for d in descales)
     _check(q8, k8, v8, q_d, k_d, v_d, causal=causal)
 
 
