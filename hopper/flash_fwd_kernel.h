@@ -99,6 +99,7 @@ struct FwdLaunchPolicy {
 
   struct LaunchMode {
     bool persistent, dynamic;
+    bool long_tiles;  // one CTA per tile on LongConfig's tiles (FwdLauncher), where the configuration has them
   };
   static LaunchMode launch_mode(FwdParams const& p) {
     // The keys a tile spans: all of them, or a window's width.
@@ -113,11 +114,13 @@ struct FwdLaunchPolicy {
     bool persistent = kPersistentCapable && (p.varlen.enabled() || key_span <= kPersistentMaxKeys);
     // A grid of one wave or less gains nothing from persistence and pays for it: the tile counter's
     // memset and the tile loop (b1 h1 s128, FP8 d128 causal: 8.0 us against 5.9; perf-notes section 41).
-    if (!p.varlen.enabled() && int64_t(ceil_div(p.seqlen_q, Config::kBlockM)) * p.nheads * p.batch <= num_sms(current_device())) {
-      persistent = false;
-    }
+    // It keeps the tiles of the persistent form, which suit short sequences (and give the bits of a varlen
+    // call of the same sequences).
+    bool const one_wave = !p.varlen.enabled() && p.persistent < 0 &&
+                          int64_t(ceil_div(p.seqlen_q, Config::kBlockM)) * p.nheads * p.batch <= num_sms(current_device());
+    if (one_wave) { persistent = false; }
     if (p.persistent >= 0) { persistent = kPersistentCapable && p.persistent != 0; }
-    return {persistent, persistent && (Config::kIsCausal || p.varlen.enabled())};
+    return {persistent, persistent && (Config::kIsCausal || p.varlen.enabled()), !persistent && !p.varlen.enabled() && !one_wave};
   }
   // Workspace: varlen calls' sequences and tile list (VarlenPrepare's), then the tile counter of dynamic
   // launches.

@@ -37,7 +37,7 @@ struct FwdLauncher {
       // Never persistent: FwdLaunchPolicy<LongConfig> finds at least as many keys per tile (its tiles are
       // as tall or taller) against the same limit, so its scheduler agrees that this launch is one CTA per
       // tile.
-      if (!mode.persistent && !p.varlen.enabled()) {
+      if (mode.long_tiles) {
         launch(FwdKernel<LongConfig, /*kPersistent=*/false>{});
         return;
       }
