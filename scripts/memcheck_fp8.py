@@ -1,5 +1,5 @@
 """Runs every compiled FP8 forward kernel in both launch forms (one CTA per tile, persistent:
-FLASH_EXT_PERSISTENT=0/1; d256 has only the first) once on small odd shapes (GQA, partial last blocks, causal
+FLASH_EXT_PERSISTENT=0/1; d256 has only the first) and under the default choice once on small odd shapes (GQA, partial last blocks, causal
 rows that see no key, several tiles per CTA) with sliding windows and softcap, without reference
 computations: the workload for compute-sanitizer.
 
@@ -17,8 +17,11 @@ SHAPES = [(1, 129, 257, 4, 2), (2, 300, 50, 2, 1), (3, 700, 700, 16, 4)]  # (bat
 
 def main():
     for d, e4m3, causal in compiled_kernels("fwd", ["e4m3"]):
-        for persistent in ("0", "1"):
-            os.environ["FLASH_EXT_PERSISTENT"] = persistent
+        for persistent in ("0", "1", None):
+            if persistent is None:
+                os.environ.pop("FLASH_EXT_PERSISTENT", None)
+            else:
+                os.environ["FLASH_EXT_PERSISTENT"] = persistent
             for b, sq, sk, h, hkv in SHAPES:
                 q = torch.randn(b, sq, h, d, device="cuda").to(e4m3)
                 k, v = (torch.randn(b, sk, hkv, d, device="cuda").to(e4m3) for _ in range(2))
@@ -28,7 +31,7 @@ def main():
                                                  **options)
                     assert torch.isfinite(out).all()
             torch.cuda.synchronize()
-            print(f"d{d} e4m3 causal={causal} persistent={persistent}: ran", flush=True)
+            print(f"d{d} e4m3 causal={causal} persistent={persistent or 'default'}: ran", flush=True)
     os.environ.pop("FLASH_EXT_PERSISTENT", None)
 
 

@@ -1,5 +1,6 @@
 """Runs every compiled 16-bit forward kernel in both launch forms (one CTA per tile, persistent:
-FLASH_EXT_PERSISTENT=0/1) on small odd shapes (GQA, partial last blocks, causal rows that see no key,
+FLASH_EXT_PERSISTENT=0/1) and under the default choice (small grids: one CTA per tile on the persistent
+form's tiles) on small odd shapes (GQA, partial last blocks, causal rows that see no key,
 many tiles per persistent CTA) with every mask and score option the kernel runs (sliding windows, softcap),
 without reference computations: the workload for compute-sanitizer.
 
@@ -17,8 +18,11 @@ SHAPES = [(1, 129, 257, 4, 2), (2, 300, 50, 2, 1), (3, 700, 700, 16, 4)]  # (bat
 
 def main():
     for d, dtype, causal in compiled_kernels("fwd", ["fp16", "bf16"]):
-        for persistent in ("0", "1"):
-            os.environ["FLASH_EXT_PERSISTENT"] = persistent
+        for persistent in ("0", "1", None):
+            if persistent is None:
+                os.environ.pop("FLASH_EXT_PERSISTENT", None)
+            else:
+                os.environ["FLASH_EXT_PERSISTENT"] = persistent
             for b, sq, sk, h, hkv in SHAPES:
                 q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
                 k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
@@ -26,7 +30,7 @@ def main():
                     out, lse = flash_ext.forward(q, k, v, **options)
                     assert torch.isfinite(out).all()
             torch.cuda.synchronize()
-            print(f"d{d} {dtype} causal={causal} persistent={persistent}: ran", flush=True)
+            print(f"d{d} {dtype} causal={causal} persistent={persistent or 'default'}: ran", flush=True)
     os.environ.pop("FLASH_EXT_PERSISTENT", None)
 
 
