@@ -1,5 +1,7 @@
 """The kernels the loaded build holds, for the scripts that run each one (memcheck_*.py): read from
 flash_ext.build_info(), the build's own list, in a stable order."""
+import os
+
 import torch
 
 import flash_ext
@@ -23,3 +25,19 @@ def call_options(causal):
         return [dict(causal=True), dict(causal=True, window_size=(50, 0), softcap=10.0),
                 dict(causal=False, window_size=(30, 20))]
     return [dict(causal=False), dict(causal=False, softcap=10.0)]
+
+
+def launch_forms():
+    """Each forward launch choice in turn: FLASH_EXT_PERSISTENT=0 (one CTA per tile), =1 (persistent), then
+    unset (each kernel's own choice, e.g. one CTA per tile on the persistent form's tiles for one wave).
+    Yields the setting's label; the variable is unset afterwards."""
+    try:
+        for value in ("0", "1", None):
+            if value is None:
+                os.environ.pop("FLASH_EXT_PERSISTENT", None)
+            else:
+                os.environ["FLASH_EXT_PERSISTENT"] = value
+            yield value or "default"
+    finally:
+        os.environ.pop("FLASH_EXT_PERSISTENT", None)
+

@@ -5,23 +5,17 @@ computations: the workload for compute-sanitizer.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fp8.py
 """
-import os
-
 import torch
 
 import flash_ext
-from compiled_kernels import call_options, compiled_kernels
+from compiled_kernels import call_options, compiled_kernels, launch_forms
 
 SHAPES = [(1, 129, 257, 4, 2), (2, 300, 50, 2, 1), (3, 700, 700, 16, 4)]  # (batch, sq, sk, nheads, nheads_kv)
 
 
 def main():
     for d, e4m3, causal in compiled_kernels("fwd", ["e4m3"]):
-        for persistent in ("0", "1", None):
-            if persistent is None:
-                os.environ.pop("FLASH_EXT_PERSISTENT", None)
-            else:
-                os.environ["FLASH_EXT_PERSISTENT"] = persistent
+        for persistent in launch_forms():
             for b, sq, sk, h, hkv in SHAPES:
                 q = torch.randn(b, sq, h, d, device="cuda").to(e4m3)
                 k, v = (torch.randn(b, sk, hkv, d, device="cuda").to(e4m3) for _ in range(2))
@@ -31,8 +25,7 @@ def main():
                                                  **options)
                     assert torch.isfinite(out).all()
             torch.cuda.synchronize()
-            print(f"d{d} e4m3 causal={causal} persistent={persistent or 'default'}: ran", flush=True)
-    os.environ.pop("FLASH_EXT_PERSISTENT", None)
+            print(f"d{d} e4m3 causal={causal} persistent={persistent}: ran", flush=True)
 
 
 if __name__ == "__main__":
