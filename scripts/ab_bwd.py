@@ -7,7 +7,6 @@ compared with the main build's before timing (max abs difference printed; they m
     PYTHONPATH=$PWD python3 scripts/ab_bwd.py --variants b0 --headdims 64,128 --seqlens 2048,8192
 """
 import argparse
-import importlib
 import math
 
 import torch
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext  # noqa: F401  (loads the main build's ops)
+from variant_builds import build_ops
 
 
 def timed(fn):
@@ -32,10 +32,7 @@ def main():
     parser.add_argument("--diagnostic", default="", help="comma list of variants timed even though their gradients "
                         "differ (builds with work compiled out, to bound what it costs)")
     args = parser.parse_args()
-    ops = {"main": torch.ops.flash_ext}
-    for name in filter(None, args.variants.split(",")):
-        importlib.import_module(f"flash_ext._C_{name}")
-        ops[name] = getattr(torch.ops, f"flash_ext_{name}")
+    ops = build_ops(args.variants)
     columns = [(n, False) for n in ops] + [("main", True)]
     header = f"{'shape':<18}" + "".join(f"{n + ('/det' if det else ''):>12}" for n, det in columns)
     print(header + f"{'cuDNN':>10}{'FA2':>10}{'main/cuDNN':>12}{'det/main':>10}")

@@ -6,7 +6,6 @@ Outputs are compared with the main build's (max abs difference).
     PYTHONPATH=$PWD python3 scripts/ab_decode.py --variants w8,s5 [--shapes 8x512,8x4096] [--dtype e4m3]
 """
 import argparse
-import importlib
 import math
 
 import torch
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext  # noqa: F401  (loads the main build's ops)
+from variant_builds import build_ops
 from flash_ext.bench.decode import _do_bench, _graphed, decode_inputs
 
 
@@ -24,10 +24,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", choices=("bf16", "e4m3"), default="bf16")
     a = p.parse_args()
-    ops = {"main": torch.ops.flash_ext}
-    for name in filter(None, a.variants.split(",")):
-        importlib.import_module(f"flash_ext._C_{name}")
-        ops[name] = getattr(torch.ops, f"flash_ext_{name}")
+    ops = build_ops(a.variants)
     print(f"{'shape':<12}" + "".join(f"{n:>10}" for n in ops) + f"{'cuDNN':>10}  max |diff| vs main")
     for shape in a.shapes.split(","):
         b, L = (int(x) for x in shape.split("x"))

@@ -9,7 +9,6 @@ A knob missing from a setting is unset there. "VAR=" sets it to the empty string
 knobs (env_override in csrc/flash_api.cpp) read as unset but a plain getenv() check reads as set.
 """
 import argparse
-import importlib
 import math
 import os
 
@@ -17,6 +16,7 @@ import torch
 from triton.testing import do_bench
 
 import flash_ext  # noqa: F401
+from variant_builds import build_ops
 
 
 def parse_settings(text):
@@ -37,11 +37,7 @@ def main():
     p.add_argument("--settings", required=True, help="';'-separated settings, each a ','-separated list of VAR=VALUE")
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
-    if a.build == "main":
-        op = torch.ops.flash_ext.fwd
-    else:
-        importlib.import_module(f"flash_ext._C_{a.build}")
-        op = getattr(torch.ops, f"flash_ext_{a.build}").fwd
+    op = build_ops(a.build)[a.build].fwd
     settings = parse_settings(a.settings)
     knobs = sorted({k for s in settings for k in s})
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}[a.dtype]

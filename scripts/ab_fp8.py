@@ -6,12 +6,13 @@ main build's (max abs difference printed; 0 = bitwise equal).
         [--toggle FLASH_EXT_PINGPONG]
 """
 import argparse
-import importlib
 import math
 import os
 
 import torch
 from triton.testing import do_bench
+
+from variant_builds import build_ops
 
 
 def main():
@@ -24,12 +25,7 @@ def main():
     p.add_argument("--toggle", default="none", choices=("none", "FLASH_EXT_PINGPONG", "FLASH_EXT_PERSISTENT"),
                    help="a run-time switch timed on and off for every build")
     a = p.parse_args()
-    import flash_ext  # noqa: F401
-
-    ops = {"main": torch.ops.flash_ext.fwd}
-    for v in filter(None, a.variants.split(",")):
-        importlib.import_module(f"flash_ext._C_{v}")
-        ops[v] = getattr(torch.ops, f"flash_ext_{v}").fwd
+    ops = {name: ns.fwd for name, ns in build_ops(a.variants).items()}
     settings = (None,) if a.toggle == "none" else ("1", "0")
     for d in map(int, a.headdims.split(",")):
         for causal in (c == "1" for c in a.causal.split(",")):

@@ -11,7 +11,6 @@ a difference is printed).
 (--softcap C: every call soft-capped; SDPA, which has none, is timed without.)
 """
 import argparse
-import importlib
 import math
 import os
 
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext  # noqa: F401  (loads the main build's ops)
+from variant_builds import build_ops
 from flash_ext.reference import attention_lowp, attention_ref
 
 
@@ -39,10 +39,7 @@ def main():
     parser.add_argument("--toggle", default="FLASH_EXT_PINGPONG", choices=("FLASH_EXT_PINGPONG", "FLASH_EXT_PERSISTENT", "none"),
                         help="a run-time switch to time on and off; none: each kernel's own choice only")
     args = parser.parse_args()
-    ops = {"main": torch.ops.flash_ext}
-    for name in filter(None, args.variants.split(",")):
-        importlib.import_module(f"flash_ext._C_{name}")
-        ops[name] = getattr(torch.ops, f"flash_ext_{name}")
+    ops = build_ops(args.variants)
     for name, ns in ops.items():
         print(f"{name}: {ns.build_info()}")
 

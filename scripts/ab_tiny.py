@@ -7,7 +7,6 @@ included), averaged over `--calls` calls.
     PYTHONPATH=$PWD python3 scripts/ab_tiny.py --variants early [--shapes 1x1x128x128,1x16x1024x256] [--fp8]
 """
 import argparse
-import importlib
 import math
 
 import torch
@@ -16,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import flash_ext  # noqa: F401  (loads the main build's ops)
+from variant_builds import build_ops
 
 
 def device_us_per_call(fn, calls):
@@ -40,10 +40,7 @@ def main():
     parser.add_argument("--fp8", action="store_true", help="also time e4m3 inputs (no SDPA column)")
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
-    ops = {"main": torch.ops.flash_ext}
-    for name in filter(None, args.variants.split(",")):
-        importlib.import_module(f"flash_ext._C_{name}")
-        ops[name] = getattr(torch.ops, f"flash_ext_{name}")
+    ops = build_ops(args.variants)
     print(f"{'shape':<22}{'dtype':>6}" + "".join(f"{n:>10}" for n in ops) + f"{'cuDNN':>10}   (us per call)")
     for shape in args.shapes.split(","):
         b, h, s, d = map(int, shape.split("x"))
