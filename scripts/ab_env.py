@@ -10,21 +10,12 @@ knobs (env_override in csrc/flash_api.cpp) read as unset but a plain getenv() ch
 """
 import argparse
 import math
-import os
 
 import torch
 from triton.testing import do_bench
 
 import flash_ext  # noqa: F401
-from variant_builds import build_ops
-
-
-def parse_settings(text):
-    out = []
-    for item in text.split(";"):
-        pairs = [kv.split("=", 1) for kv in item.split(",") if kv.strip()]
-        out.append({k.strip(): v.strip() for k, v in pairs})
-    return out
+from variant_builds import apply_setting, build_ops, parse_settings, setting_name
 
 
 def main():
@@ -39,15 +30,12 @@ def main():
     a = p.parse_args()
     op = build_ops(a.build)[a.build].fwd
     settings = parse_settings(a.settings)
-    knobs = sorted({k for s in settings for k in s})
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}[a.dtype]
 
     def apply(setting):
-        for k in knobs:
-            os.environ.pop(k, None)
-        os.environ.update(setting)
+        apply_setting(setting, settings)
 
-    print(f"build {a.build}, {a.dtype}; settings: " + " | ".join(",".join(f"{k}={v}" for k, v in s.items()) or "(none)" for s in settings))
+    print(f"build {a.build}, {a.dtype}; settings: " + " | ".join(setting_name(s) for s in settings))
     for d in map(int, a.headdims.split(",")):
         for causal in (c == "1" for c in a.causal.split(",")):
             for s in map(int, a.seqlens.split(",")):

@@ -2,9 +2,11 @@
 
 Small grids (one wave of CTAs or less) show a CTA's fixed costs: its start, the first loads, the epilogue.
 Times are the torch profiler's device times per call (the sum of the call's kernels, cuDNN's memset
-included), averaged over `--calls` calls.
+included), averaged over `--calls` calls. `--settings` times every build under each setting of the run-time
+knobs (as scripts/ab_env.py), e.g. 'FLASH_EXT_PERSISTENT=0;FLASH_EXT_PERSISTENT=1'.
 
     PYTHONPATH=$PWD python3 scripts/ab_tiny.py --variants early [--shapes 1x1x128x128,1x16x1024x256] [--fp8]
+        [--settings 'FLASH_EXT_PINGPONG=0;FLASH_EXT_PINGPONG=1']
 """
 import argparse
 import math
@@ -15,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import flash_ext  # noqa: F401  (loads the main build's ops)
-from variant_builds import build_ops
+from variant_builds import apply_setting, build_ops, parse_settings, setting_name
 
 
 def device_us_per_call(fn, calls):
@@ -39,9 +41,15 @@ def main():
     parser.add_argument("--causal", default="0,1")
     parser.add_argument("--fp8", action="store_true", help="also time e4m3 inputs (no SDPA column)")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--settings", default="", help="';'-separated settings, each a ','-separated list of VAR=VALUE")
     args = parser.parse_args()
-    ops = build_ops(args.variants)
-    print(f"{'shape':<22}{'dtype':>6}" + "".join(f"{n:>10}" for n in ops) + f"{'cuDNN':>10}   (us per call)")
+    settings = parse_settings(args.settings)
+    runs = [(name, ns, setting) for name, ns in build_ops(args.variants).items() for setting in settings]
+    if len(settings) > 1:
+        for i, setting in enumerate(settings):
+            print(f"setting /{i}: {setting_name(setting)}")
+    names = [name + (f"/{i}" if len(settings) > 1 else "") for name in dict.fromkeys(r[0] for r in runs) for i in range(len(settings))]
+    print(f"{'shape':<22}{'dtype':>6}" + "".join(f"{n:>10}" for n in names) + f"{'cuDNN':>10}   (us per call)")
     for shape in args.shapes.split(","):
         b, h, s, d = map(int, shape.split("x"))
         for causal in (c == "1" for c in args.causal.split(",")):
@@ -51,9 +59,11 @@ def main():
                 call = (1 / math.sqrt(d), causal, None, None, None, -1, -1, 0.0)
                 row = f"b{b} h{h} s{s} d{d} {'C' if causal else 'N'}".ljust(22) + f"{'fp8' if dtype != torch.bfloat16 else 'bf16':>6}"
                 outs = []
-                for ns in ops.values():
+                for _, ns, setting in runs:
+                    apply_setting(setting, settings)
                     outs.append(ns.fwd(q, k, v, *call)[0])
                     row += f"{device_us_per_call(lambda: ns.fwd(q, k, v, *call), args.calls):>10.2f}"
+                apply_setting({}, settings)
                 if dtype == torch.bfloat16:
                     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
