@@ -66,9 +66,10 @@ def _check_tensors(**tensors):
 
 
 def _softmax_scale(softmax_scale, headdim):
-    """softmax_scale as a float (default 1/sqrt(headdim)); its value is the op's to check."""
+    """softmax_scale as a float (default 1/sqrt(headdim)); its value is the op's to check, and so is a head
+    dim of 0 (the default is then a placeholder: the op rejects the shape with its own message)."""
     if softmax_scale is None:
-        return 1.0 / math.sqrt(headdim)
+        return 1.0 / math.sqrt(headdim) if headdim > 0 else 1.0
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     return float(softmax_scale)

@@ -81,6 +81,27 @@ def test_unsupported_headdim(headdim):
 
 
 @needs_ext
+@pytest.mark.parametrize("entry", ["forward", "attention", "backward", "flash_attn_func", "flash_attn_varlen_func",
+                                   "flash_attn_with_kvcache", "sdpa"])
+def test_zero_headdim_every_entry_point(entry):
+    # The default softmax_scale, 1/sqrt(headdim), must not divide by zero before the op's shape check.
+    q, k = torch.randn(2, 7, 4, 0, dtype=torch.bfloat16), torch.randn(2, 10, 2, 0, dtype=torch.bfloat16)
+    cu_q, cu_k = torch.tensor([0, 7, 14], dtype=torch.int32), torch.tensor([0, 10, 20], dtype=torch.int32)
+    calls = {
+        "forward": lambda: flash_ext.forward(q, k, k),
+        "attention": lambda: flash_ext.attention(q, k, k),
+        "backward": lambda: flash_ext.backward(q, q, k, k, q, torch.zeros(2, 4, 7)),
+        "flash_attn_func": lambda: flash_ext.flash_attn_func(q, k, k),
+        "flash_attn_varlen_func": lambda: flash_ext.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), k.flatten(0, 1),
+                                                                           cu_q, cu_k, 7, 10),
+        "flash_attn_with_kvcache": lambda: flash_ext.flash_attn_with_kvcache(q, k, k),
+        "sdpa": lambda: flash_ext.sdpa(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), enable_gqa=True),
+    }
+    with pytest.raises(ValueError, match=r"head dim 0 is not supported: it must be a multiple of 8"):
+        calls[entry]()
+
+
+@needs_ext
 def test_nheads_not_multiple_of_nheads_kv():
     q = make(nheads=3)
     with pytest.raises(ValueError, match=r"nheads \(3\) must be a multiple of nheads_kv \(2\)"):
