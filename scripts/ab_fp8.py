@@ -24,7 +24,10 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--toggle", default="none", choices=("none", "FLASH_EXT_PINGPONG", "FLASH_EXT_PERSISTENT"),
                    help="a run-time switch timed on and off for every build")
+    p.add_argument("--v-seq-contiguous", default="",
+                   help="comma list of variant builds that take v with its sequence dim contiguous (the same values)")
     a = p.parse_args()
+    seq_contiguous_v = set(filter(None, a.v_seq_contiguous.split(",")))
     ops = {name: ns.fwd for name, ns in build_ops(a.variants).items()}
     settings = (None,) if a.toggle == "none" else ("1", "0")
     for d in map(int, a.headdims.split(",")):
@@ -32,6 +35,8 @@ def main():
             for s in map(int, a.seqlens.split(",")):
                 b, h = 16384 // s, 2048 // d
                 q, k, v = (torch.randn(b, s, h, d, device="cuda").to(torch.float8_e4m3fn) for _ in range(3))
+                v_by_build = {n: v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) if n in seq_contiguous_v else v
+                              for n in ops}
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 runs = [(n, on) for n in ops for on in settings]
                 res = {r: [] for r in runs}
@@ -40,7 +45,7 @@ def main():
                 for name, on in runs:
                     if on is not None:
                         os.environ[a.toggle] = on
-                    out = ops[name](q, k, v, 1 / math.sqrt(d), causal)[0]
+                    out = ops[name](q, k, v_by_build[name], 1 / math.sqrt(d), causal)[0]
                     if out_main is None:
                         out_main = out.float()
                     diffs[(name, on)] = (out.float() - out_main).abs().max().item()
@@ -48,7 +53,7 @@ def main():
                     for name, on in runs:
                         if on is not None:
                             os.environ[a.toggle] = on
-                        ms = do_bench(lambda: ops[name](q, k, v, 1 / math.sqrt(d), causal), warmup=25, rep=100)
+                        ms = do_bench(lambda: ops[name](q, k, v_by_build[name], 1 / math.sqrt(d), causal), warmup=25, rep=100)
                         res[(name, on)].append(flops / ms / 1e9)
                 os.environ.pop(a.toggle, None)
                 row = f"d{d} {s} {'C' if causal else 'N'}:"
