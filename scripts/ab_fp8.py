@@ -12,7 +12,7 @@ import os
 import torch
 from triton.testing import do_bench
 
-from variant_builds import build_ops
+from variant_builds import build_ops, colmajor
 
 
 def main():
@@ -35,8 +35,7 @@ def main():
             for s in map(int, a.seqlens.split(",")):
                 b, h = 16384 // s, 2048 // d
                 q, k, v = (torch.randn(b, s, h, d, device="cuda").to(torch.float8_e4m3fn) for _ in range(3))
-                v_by_build = {n: v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) if n in seq_contiguous_v else v
-                              for n in ops}
+                v_by_build = {n: colmajor(v) if n in seq_contiguous_v else v for n in ops}
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 runs = [(n, on) for n in ops for on in settings]
                 res = {r: [] for r in runs}

@@ -19,7 +19,7 @@ import torch
 
 from flash_ext import fp8
 from flash_ext.reference import attention_fp8_emulation, attention_lowp, attention_ref
-from variant_builds import apply_setting, build_ops, parse_settings, setting_name
+from variant_builds import apply_setting, build_ops, colmajor, parse_settings, setting_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from gpu_helpers import poison_allocator, rounding_noise  # noqa: E402
@@ -43,7 +43,7 @@ def check_case(fwd, dtype, headdim, causal, shape, seq_contiguous_v, seed):
     else:
         q, k, v = (t.to(dtype) for t in (q, k, v))
         qd = kd = vd = None
-    v_in = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) if seq_contiguous_v else v
+    v_in = colmajor(v) if seq_contiguous_v else v
     out_dtype = torch.bfloat16 if fp8_call else dtype
     poison_allocator(((batch, seqlen_q, nheads, headdim), out_dtype), ((batch, nheads, seqlen_q), torch.float32))
     out, lse = fwd(q, k, v_in, scale, causal, qd, kd, vd, -1, -1, 0.0)
