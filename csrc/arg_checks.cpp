@@ -85,6 +85,22 @@ void check_layout(at::Tensor const& t, char const* name) {
                     kAlignBytes, "-byte aligned (a view at an odd offset?); call .clone()");
 }
 
+#if FLASH_EXT_FP8_V_COLMAJOR
+// EXPERIMENT (variant builds): an FP8 v (batch, seqlen, heads, headdim) whose sequence dim is contiguous, e.g.
+// v_t.permute(0, 3, 1, 2) of a contiguous (batch, heads, headdim, seqlen) tensor.
+void check_layout_v_seq_contiguous(at::Tensor const& v) {
+  TORCH_CHECK_VALUE(v.stride(1) == 1, "this build (FLASH_EXT_FP8_V_COLMAJOR) reads an FP8 v with its sequence dim "
+                    "contiguous, got strides ", tuple_str(v.strides()));
+  for (int dim : {0, 2, 3}) {
+    int64_t const stride = tma_stride(v, dim);
+    TORCH_CHECK_VALUE(stride > 0 && stride % kAlignBytes == 0 && stride < (int64_t(1) << 40), "v stride ", v.stride(dim),
+                      " of dim ", dim, " must be a positive multiple of ", kAlignBytes, " elements for the TMA loads");
+  }
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(v.data_ptr()) % kAlignBytes == 0, "v's data pointer is not ",
+                    kAlignBytes, "-byte aligned");
+}
+#endif
+
 // sm_90 is checked once per device.
 void check_sm90(at::Device device) {
   static std::atomic<bool> checked[64] = {};
@@ -218,7 +234,15 @@ void check_qkv_common(at::Tensor const& q, at::Tensor const& k, at::Tensor const
   if (!s.is_empty()) {  // nothing is loaded from an empty problem, whose strides may be 0
     check_layout(q, "q");
     check_layout(k, "k");
+#if FLASH_EXT_FP8_V_COLMAJOR  // EXPERIMENT (variant builds): FP8 v with its sequence dim contiguous
+    if (v.scalar_type() == at::kFloat8_e4m3fn) {
+      check_layout_v_seq_contiguous(v);
+    } else {
+      check_layout(v, "v");
+    }
+#else
     check_layout(v, "v");
+#endif
   }
 }
 }  // namespace

@@ -192,6 +192,12 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
   }
 
   flash::FwdParams params = fwd_params(q, k, v, out, lse, s, softmax_scale, options);
+#if FLASH_EXT_FP8_V_COLMAJOR  // EXPERIMENT: the sequence dim contiguous; row_stride carries the head dim's stride
+  if (fp8) {
+    params.v = {v.data_ptr(), flash_api::tma_stride(v, 0), flash_api::tma_stride(v, 3), flash_api::tma_stride(v, 2)};
+    params.v_seq_contiguous = true;
+  }
+#endif
   params.q_descale = descale_tensor(q_descale);
   params.k_descale = descale_tensor(k_descale);
   params.v_descale = descale_tensor(v_descale);

@@ -72,6 +72,13 @@ struct FwdConfig {
   static constexpr bool kHasLongTiles = TileSize::kBlockMLong != TileSize::kBlockM || TileSize::kBlockNLong != TileSize::kBlockN;
 #endif
   static constexpr int kStages = 2;  // K/V pipeline depth
+  // EXPERIMENT (variant builds): FP8 V arrives with the keys contiguous (FA3's V_colmajor) and GEMM1 reads it
+  // as loaded; P's registers are exchanged within each quad into the keys' natural order
+  // (convert_acc_to_a_regs_natural in utils.h) instead of V being transposed in shared memory.
+#ifndef FLASH_EXT_FP8_V_COLMAJOR
+#define FLASH_EXT_FP8_V_COLMAJOR 0
+#endif
+  static constexpr bool kVColMajor = kIsFp8 && FLASH_EXT_FP8_V_COLMAJOR;
   static constexpr int kMaxOffset = kIsFp8 ? kFp8MaxOffset : 0;  // flash.h
 
   // Warpgroup 0 loads (and, for FP8, transposes V); each further warpgroup owns 64 rows of the tile.
