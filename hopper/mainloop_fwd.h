@@ -58,7 +58,7 @@ struct FwdMainloop {
                                              AtomLayoutMNK{}));
   // GEMM1: O += P V, P from registers. 16-bit V is stored as loaded (head dim contiguous) and read
   // MN-major as V^T; 8-bit GMMA takes K-major operands only, so FP8 transposes V in shared memory.
-  // (FLASH_EXT_FP8_V_COLMAJOR variants: V arrives with the keys contiguous, GEMM1 reads it as loaded.)
+  // (FP8 V given column-major, its keys contiguous: GEMM1 reads it as loaded.)
   static constexpr bool kVColMajor = Config::kVColMajor;
   static constexpr bool kTransposeV = sizeof(Element) == 1 && !kVColMajor;
   static constexpr GMMA::Major kVMajor = sizeof(Element) == 1 ? GMMA::Major::K : GMMA::Major::MN;
@@ -199,7 +199,7 @@ struct FwdMainloop {
     auto const mQ = make_gmem_rows<Element const>(p.q, p.seqlen_q, p.headdim, p.nheads, p.batch, varlen, p.varlen.total_q);
     auto const mK = make_gmem_rows<Element const>(p.k, p.seqlen_k, p.headdim, p.nheads_kv, p.batch, varlen, p.varlen.total_k);
     auto const mV = [&] {
-      if constexpr (kVColMajor) {  // v.row_stride holds the head dim's stride (FwdParams::v_seq_contiguous)
+      if constexpr (kVColMajor) {  // v.row_stride holds the head dim's stride (FwdParams::v_colmajor)
         return make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v.ptr)),
                            make_shape(p.seqlen_k, p.headdim, p.nheads_kv, p.batch),
                            GmemStrideVColMajor{_1{}, p.v.row_stride, p.v.head_stride, p.v.batch_stride});

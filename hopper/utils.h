@@ -159,8 +159,7 @@ CUTE_DEVICE void convert_acc_to_a_regs(Tensor<EngineAcc, LayoutAcc> const& acc, 
   }
 }
 
-// FP8 P in the keys' natural order, for a V^T whose keys arrive contiguous (FLASH_EXT_FP8_V_COLMAJOR
-// variants): GEMM1 then reads key 16g + 4q + i of each 16-key group g from byte i of word r + 2g of thread q
+// FP8 P in the keys' natural order, for a V given column-major (FwdConfig::kVColMajor): GEMM1 then reads key 16g + 4q + i of each 16-key group g from byte i of word r + 2g of thread q
 // (row lane / 4 + 8r), while GEMM0's accumulator gives thread p the keys 2p, 2p + 1, 8 + 2p, 9 + 2p of each
 // group. Every word gathers two bytes from each of two threads of its quad. Words are exchanged in pairs
 // (r = 0 and 1 of one group), so that one shuffle carries a half of each: even threads of a quad send their
