@@ -118,8 +118,11 @@ def quantize_qkv(q, k, v, hadamard=False, v_colmajor=False):
     q8, q_descale = quantize(q, nheads_kv)
     k8, k_descale = quantize(k, nheads_kv)
     v8, v_descale = quantize(v, nheads_kv)
-    if v_colmajor:
-        v8 = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    if v_colmajor:  # the other strides padded to 16 elements, as the TMA loads need them
+        batch, seqlen_k, nheads_kv, headdim = v8.shape
+        buf = v8.new_empty(batch, nheads_kv, headdim, (seqlen_k + 15) // 16 * 16)
+        buf[..., :seqlen_k] = v8.permute(0, 2, 3, 1)
+        v8 = buf[..., :seqlen_k].permute(0, 3, 1, 2)
     return q8, k8, v8, q_descale, k_descale, v_descale
 
 

@@ -182,7 +182,7 @@ struct FwdMainloop {
   };
   __device__ static TileScales tile_scales(Params const& params, TileCoord const& tile) {
     ScoreScales const& s = params.scales;
-    if constexpr (kTransposeV) {
+    if constexpr (Config::kIsFp8) {
       int const head_kv = params.qheads_per_kvhead.div(tile.head);
       float const qk = params.q_descale.at(tile.batch, head_kv) * params.k_descale.at(tile.batch, head_kv);
       bool const softcap = s.softcap_pre_scale > 0.f;
