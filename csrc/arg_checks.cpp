@@ -85,6 +85,18 @@ void check_layout(at::Tensor const& t, char const* name) {
                     kAlignBytes, "-byte aligned (a view at an odd offset?); call .clone()");
 }
 
+// A column-major FP8 v (is_v_colmajor): its other strides and its pointer as the TMA loads need them.
+void check_layout_v_colmajor(at::Tensor const& v) {
+  for (int dim : {0, 2, 3}) {
+    int64_t const stride = tma_stride(v, dim);  // elements are bytes
+    TORCH_CHECK_VALUE(stride > 0 && stride % kAlignBytes == 0 && stride < (int64_t(1) << 40), "v (column-major: its "
+                      "sequence dim contiguous) stride ", v.stride(dim), " of dim ", dim, " must be a positive multiple of ",
+                      kAlignBytes, " elements for the TMA loads; call .contiguous()");
+  }
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(v.data_ptr()) % kAlignBytes == 0, "v's data pointer is not ", kAlignBytes,
+                    "-byte aligned (a view at an odd offset?); call .clone()");
+}
+
 // sm_90 is checked once per device.
 void check_sm90(at::Device device) {
   static std::atomic<bool> checked[64] = {};
@@ -100,6 +112,10 @@ void check_sm90(at::Device device) {
 }
 
 }  // namespace
+
+bool is_v_colmajor(at::Tensor const& v) {
+  return v.scalar_type() == at::kFloat8_e4m3fn && v.dim() == 4 && v.stride(-1) != 1 && v.stride(1) == 1;
+}
 
 int64_t tma_stride(at::Tensor const& t, int dim) {
   return t.size(dim) == 1 ? kAlignBytes / int64_t(t.element_size()) : t.stride(dim);
@@ -218,7 +234,11 @@ void check_qkv_common(at::Tensor const& q, at::Tensor const& k, at::Tensor const
   if (!s.is_empty()) {  // nothing is loaded from an empty problem, whose strides may be 0
     check_layout(q, "q");
     check_layout(k, "k");
-    check_layout(v, "v");
+    if (is_v_colmajor(v)) {
+      check_layout_v_colmajor(v);
+    } else {
+      check_layout(v, "v");
+    }
   }
 }
 }  // namespace

@@ -77,6 +77,11 @@ void check_on_gpu(std::vector<std::pair<at::Tensor const*, char const*>> const& 
 // The stride the TMA descriptor gets for a dim: a dim of size 1 is never stepped, so any stride will do.
 int64_t tma_stride(at::Tensor const& t, int dim);
 
+// An FP8 v (batch, seqlen_k, nheads_kv, headdim) given column-major: its sequence dim contiguous rather than its
+// head dim (FA3's V_colmajor, e.g. flash_ext.fp8.quantize_qkv(..., v_colmajor=True)). The FP8 forward reads it
+// as it is where kernels for that layout are compiled (flash_ext/kernel_table.py), else from a row-major copy.
+bool is_v_colmajor(at::Tensor const& v);
+
 // flash_attn_with_kvcache (the decode op): q (batch, seqlen_q, nheads, headdim); caches contiguous,
 // (entries, seqlen_cache, nheads_kv, headdim), or with page_table (batch, pages_per_seq) int32 paged,
 // (num_pages, page_size, nheads_kv, headdim), page_size a multiple of 16; k_new, v_new (batch, seqlen_new,

@@ -191,12 +191,24 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(at::Tensor const& q, at::Tensor const
     return {out, lse};
   }
 
-  flash::FwdParams params = fwd_params(q, k, v, out, lse, s, softmax_scale, options);
+  // A column-major FP8 v runs on the kernels compiled for it; at other head dims, from a row-major copy.
+  bool const v_colmajor = flash_api::is_v_colmajor(v);
+  auto const* colmajor_kernel = v_colmajor ? flash::KernelRegistry<flash::FwdParams>::find(
+                                                 kernel.headdim, kernel.dtype, kernel.causal, /*v_colmajor=*/true)
+                                           : nullptr;
+  at::Tensor const v_rowmajor = v_colmajor && colmajor_kernel == nullptr ? v.contiguous() : at::Tensor();
+  flash::FwdParams params = fwd_params(q, k, v_rowmajor.defined() ? v_rowmajor : v, out, lse, s, softmax_scale, options);
+  if (colmajor_kernel != nullptr) {
+    params.v = {v.data_ptr(), flash_api::tma_stride(v, 0), /*row_stride: the head dim's*/ flash_api::tma_stride(v, 3),
+                flash_api::tma_stride(v, 2)};
+    params.v_colmajor = true;
+  }
+  auto const& launcher = colmajor_kernel != nullptr ? *colmajor_kernel : kernel;
   params.q_descale = descale_tensor(q_descale);
   params.k_descale = descale_tensor(k_descale);
   params.v_descale = descale_tensor(v_descale);
-  at::Tensor const workspace = attach_workspace(kernel, params, q);
-  kernel.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  at::Tensor const workspace = attach_workspace(launcher, params, q);
+  launcher.launch(params, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {out, lse};
 }
 
@@ -405,7 +417,8 @@ template <class Params>
 void append_kernels(std::ostringstream& json, char const* direction, bool& first) {
   for (auto const& e : flash::KernelRegistry<Params>::entries()) {
     json << (first ? "" : ", ") << "{\"direction\": \"" << direction << "\", \"headdim\": " << e.headdim
-         << ", \"dtype\": \"" << e.dtype << "\", \"causal\": " << (e.causal ? "true" : "false") << "}";
+         << ", \"dtype\": \"" << e.dtype << "\", \"causal\": " << (e.causal ? "true" : "false")
+         << ", \"v_colmajor\": " << (e.v_colmajor ? "true" : "false") << "}";
     first = false;
   }
 }

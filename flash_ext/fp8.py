@@ -100,19 +100,29 @@ def quantize_with(x, descale):
     return stored.reshape(x.shape).contiguous()
 
 
-def quantize_qkv(q, k, v, hadamard=False):
+def quantize_qkv(q, k, v, hadamard=False, v_colmajor=False):
     """(q8, k8, v8, q_descale, k_descale, v_descale) for flash_ext.forward, from q (batch, seqlen_q, nheads,
     headdim) and k, v (batch, seqlen_k, nheads_kv, headdim) in fp16, bf16 or float32. hadamard=True rotates q
-    and k along the head dim first (see the module docstring); the attention they compute is the same."""
+    and k along the head dim first (see the module docstring); the attention they compute is the same.
+    v_colmajor=True gives v8 column-major: the same (batch, seqlen_k, nheads_kv, headdim) values with the
+    sequence dim contiguous (a view of a (batch, nheads_kv, headdim, seqlen_k) tensor), which the forward
+    reads without transposing it in shared memory where kernels for it are compiled (head dim 256; others
+    copy it row-major first)."""
     _check_inputs(q, k, v)
-    if not isinstance(hadamard, bool):
-        raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
+    for name, flag in (("hadamard", hadamard), ("v_colmajor", v_colmajor)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     nheads_kv = k.shape[2]
     if hadamard:
         q, k = rotate_head_dim(q.float()), rotate_head_dim(k.float())
     q8, q_descale = quantize(q, nheads_kv)
     k8, k_descale = quantize(k, nheads_kv)
     v8, v_descale = quantize(v, nheads_kv)
+    if v_colmajor:  # the other strides padded to 16 elements, as the TMA loads need them
+        batch, seqlen_k, nheads_kv, headdim = v8.shape
+        buf = v8.new_empty(batch, nheads_kv, headdim, (seqlen_k + 15) // 16 * 16)
+        buf[..., :seqlen_k] = v8.permute(0, 2, 3, 1)
+        v8 = buf[..., :seqlen_k].permute(0, 3, 1, 2)
     return q8, k8, v8, q_descale, k_descale, v_descale
 
 

@@ -48,7 +48,10 @@ def has_kernel(direction, headdim, dtype, causal, info=None):
     and mask."""
     name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "e4m3"}.get(dtype, dtype)
     wanted = {"direction": direction, "headdim": kernel_headdim(headdim, direction), "dtype": name, "causal": causal}
-    return wanted in (info if info is not None else build_info())["kernels"]
+    kernels = (info if info is not None else build_info())["kernels"]
+    # The kernels for the usual layouts (a column-major-V FP8 kernel comes beside one of them).
+    return any(all(k.get(key) == value for key, value in wanted.items()) and not k.get("v_colmajor", False)
+               for k in kernels)
 
 
 def _require_extension():
@@ -116,6 +119,9 @@ def forward(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale
         q: (batch, seqlen_q, nheads, headdim), fp16, bf16 or FP8 (torch.float8_e4m3fn), CUDA (sm_90).
         k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype; nheads must be a multiple of nheads_kv.
             Any strides with a contiguous last dim (16-byte aligned), e.g. slices of a packed qkv tensor.
+            An FP8 v may instead be column-major, its seqlen_k dim contiguous (fp8.quantize_qkv(...,
+            v_colmajor=True)): head dim 256 reads it without a transpose in shared memory; other head
+            dims copy it row-major first.
         softmax_scale: scale of QK^T before the softmax; default 1/sqrt(headdim).
         causal: mask aligned to the bottom-right corner: query i sees keys j <= i + seqlen_k - seqlen_q.
             Queries that see no key get out = 0 and lse = -inf.

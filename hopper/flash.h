@@ -77,6 +77,9 @@ struct FwdParams {
   // Workspace of the registry entry's workspace_bytes() (the tile counter of dynamic persistent launches),
   // allocated by the caller; the launcher clears it.
   void* workspace = nullptr;
+  // FP8 v given column-major, its sequence dim contiguous (stride 1): v.row_stride then holds the head dim's
+  // stride, and the kernels compiled for that layout run (FwdConfig::kVColMajor).
+  bool v_colmajor = false;
 };
 
 struct BwdParams {

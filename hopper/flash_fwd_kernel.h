@@ -69,7 +69,11 @@ struct FwdLaunchPolicy {
   static constexpr bool kOOverV = !FLASH_EXT_FORCE_DIRECT_O && !kOwnOBuffer && !kOInVStage && !kODirect &&
                                   !Mainloop::kTransposeV && Config::kIsCausal &&
                                   EpilogueAsync::kSmemBytes <= Mainloop::kStages * Mainloop::kSmemBytesVStage;
-  static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage || kODirect || kOOverV;
+  // FP8 d256 keeps one CTA per tile in either V layout: its consumers need all 240 registers, and its
+  // persistent forms spilled 72 bytes (V transposed, perf-notes section 41) and 88-108 (column-major V, whose O
+  // fits a buffer of its own; section 42).
+  static constexpr bool kPersistentCapable =
+      (kOwnOBuffer || kOInVStage || kODirect || kOOverV) && !(Config::kIsFp8 && Config::kHeadDim > 192);
   // Persistent while a tile spans at most this many keys; beyond, one CTA per tile. Both forms timed in one
   // process (perf-notes sections 15, 32 and 39): persistent wins through 8k keys at d64 non-causal (+3%) and
   // d192 causal (+5-8%), through 4k at d128 (+2-4%) and at d64 and d256 causal (+1-5% at 4k once the L2
@@ -194,7 +198,7 @@ struct FwdKernel {
   static constexpr bool kOInVStage = kPersistent && Policy::kOInVStage;
   static constexpr bool kODirect = kPersistent && Policy::kODirect;
   static constexpr bool kOOverV = kPersistent && Policy::kOOverV;
-  static constexpr bool kStageOInVt = !kPersistent && Mainloop::kTransposeV;
+  static constexpr bool kStageOInVt = !kPersistent && Config::kIsFp8;  // V^T's buffer: V's stages where it arrives so
   using Epilogue = FwdEpilogue<typename Config::ElementOut, kBlockM, Config::kHeadDim, typename Mainloop::TiledMmaPV,
                                kNumMmaThreads,
                                kODirect ? OStore::kDirect : (kPersistent ? OStore::kTmaAsync : OStore::kTmaWaited)>;

@@ -13,14 +13,14 @@
 
 namespace flash {
 
-template <class Element, int kHeadDim, bool kIsCausal>
+template <class Element, int kHeadDim, bool kIsCausal, bool kVColMajor = false>
 struct FwdLauncher {
-  using Config = FwdConfig<Element, kHeadDim, kIsCausal>;
+  using Config = FwdConfig<Element, kHeadDim, kIsCausal, /*kLongTiles=*/false, kVColMajor>;
   using Policy = FwdLaunchPolicy<Config>;  // decides the launch form, and the workspace, for both configurations
   // Taller or wider tiles for one CTA per tile, where tile_size.h gives them (kBlockMLong, kBlockNLong): dense
   // calls that Policy does not run persistent. Varlen calls keep Config's tiles, which VarlenPrepare's tile
   // list is made of.
-  using LongConfig = FwdConfig<Element, kHeadDim, kIsCausal, /*kLongTiles=*/true>;
+  using LongConfig = FwdConfig<Element, kHeadDim, kIsCausal, /*kLongTiles=*/true, kVColMajor>;
 
   static size_t workspace_bytes(FwdParams const& p) { return Policy::workspace_bytes(p); }
 
@@ -54,11 +54,12 @@ struct FwdLauncher {
   }
 };
 
-template <class Element, int kHeadDim, bool kIsCausal>
+template <class Element, int kHeadDim, bool kIsCausal, bool kVColMajor = false>
 struct FwdKernelRegistration : KernelRegistration<FwdParams> {
-  using Launcher = FwdLauncher<Element, kHeadDim, kIsCausal>;
+  using Launcher = FwdLauncher<Element, kHeadDim, kIsCausal, kVColMajor>;
   FwdKernelRegistration()
-      : KernelRegistration<FwdParams>(kHeadDim, dtype_name<Element>(), kIsCausal, &Launcher::run, &Launcher::workspace_bytes) {}
+      : KernelRegistration<FwdParams>(kHeadDim, dtype_name<Element>(), kIsCausal, &Launcher::run, &Launcher::workspace_bytes,
+                                      kVColMajor) {}
 };
 
 }  // namespace flash

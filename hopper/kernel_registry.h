@@ -1,7 +1,7 @@
 // The compiled kernels register themselves here: each generated instantiation file
 // (hopper/instantiations/*.cu, listed in flash_ext/kernel_table.py) holds one static registration, so the
 // set of kernels a build contains is exactly the set of files it compiled. The host dispatch looks
-// kernels up by (head dim, dtype, causal); build_info() lists them.
+// kernels up by (head dim, dtype, causal, and for the FP8 forward V's layout); build_info() lists them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,6 +29,7 @@ struct KernelRegistry {
     bool causal;
     void (*launch)(Params const&, cudaStream_t);
     size_t (*workspace_bytes)(Params const&);  // scratch memory the launch needs; nullptr: none
+    bool v_colmajor;  // FP8 forward: reads a V whose sequence dim is contiguous (FwdParams::v_colmajor)
   };
 
   static std::vector<Entry>& entries() {
@@ -36,9 +37,11 @@ struct KernelRegistry {
     return registered;
   }
 
-  static Entry const* find(int headdim, char const* dtype, bool causal) {
+  static Entry const* find(int headdim, char const* dtype, bool causal, bool v_colmajor = false) {
     for (Entry const& e : entries()) {
-      if (e.headdim == headdim && e.causal == causal && std::strcmp(e.dtype, dtype) == 0) { return &e; }
+      if (e.headdim == headdim && e.causal == causal && e.v_colmajor == v_colmajor && std::strcmp(e.dtype, dtype) == 0) {
+        return &e;
+      }
     }
     return nullptr;
   }
@@ -49,8 +52,8 @@ template <class Params>
 struct KernelRegistration {
   using Entry = typename KernelRegistry<Params>::Entry;
   KernelRegistration(int headdim, char const* dtype, bool causal, decltype(Entry::launch) launch,
-                     decltype(Entry::workspace_bytes) workspace_bytes = nullptr) {
-    KernelRegistry<Params>::entries().push_back({headdim, dtype, causal, launch, workspace_bytes});
+                     decltype(Entry::workspace_bytes) workspace_bytes = nullptr, bool v_colmajor = false) {
+    KernelRegistry<Params>::entries().push_back({headdim, dtype, causal, launch, workspace_bytes, v_colmajor});
   }
 };
 

@@ -58,8 +58,10 @@ struct FwdMainloop {
                                              AtomLayoutMNK{}));
   // GEMM1: O += P V, P from registers. 16-bit V is stored as loaded (head dim contiguous) and read
   // MN-major as V^T; 8-bit GMMA takes K-major operands only, so FP8 transposes V in shared memory.
-  static constexpr bool kTransposeV = sizeof(Element) == 1;
-  static constexpr GMMA::Major kVMajor = kTransposeV ? GMMA::Major::K : GMMA::Major::MN;
+  // (FP8 V given column-major, its keys contiguous: GEMM1 reads it as loaded.)
+  static constexpr bool kVColMajor = Config::kVColMajor;
+  static constexpr bool kTransposeV = sizeof(Element) == 1 && !kVColMajor;
+  static constexpr GMMA::Major kVMajor = sizeof(Element) == 1 ? GMMA::Major::K : GMMA::Major::MN;
   using TiledMmaPV = decltype(make_tiled_mma(
       rs_gmma<Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, kVMajor>(),
@@ -67,7 +69,12 @@ struct FwdMainloop {
 
   using SmemLayoutQ = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutV = SmemLayoutK;  // as the TMA writes it; FP8: the staging buffer
+  // V^T tiles (headdim, kBlockN, stages), K-major: what GEMM1 reads where V arrives with the keys contiguous.
+  using SmemLayoutVtKMajor = decltype(smem_layout_k_major<Element>(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+  // V as the TMA writes it: (keys, headdim) with the head dim contiguous (FP8: the staging buffer), or the
+  // K-major V^T tiles viewed as (keys, headdim) (kVColMajor).
+  using SmemLayoutV =
+      std::conditional_t<kVColMajor, decltype(transposed_view(SmemLayoutVtKMajor{})), SmemLayoutK>;
   // FP8: stages of transposed V. A third one, where shared memory allows, lets the transposing warps run a
   // block further ahead of GEMM1: 690 -> 723 TFLOP/s at d128 8k (perf-notes section 14). (One staging stage
   // for three V^T stages at d256 measured 5% slower than two and two: perf-notes section 20.)
@@ -77,8 +84,9 @@ struct FwdMainloop {
   // FP8, a buffer of its own with the keys contiguous (K-major).
   using SmemLayoutVtTransposed =
       decltype(smem_layout_k_major<Element>(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStagesVt>>{}));
-  using SmemLayoutVt =
-      std::conditional_t<kTransposeV, SmemLayoutVtTransposed, decltype(transposed_view(SmemLayoutV{}))>;
+  using SmemLayoutVt = std::conditional_t<
+      kTransposeV, SmemLayoutVtTransposed,
+      std::conditional_t<kVColMajor, SmemLayoutVtKMajor, decltype(transposed_view(SmemLayoutK{}))>>;
   // Warps 1-3 of the producer warpgroup; warp 0 holds the TMA thread. Two tiles in flight per warp need
   // more than the 24 registers of a lean producer (ptxas spilled the loop's state there).
   static constexpr int kNumTransposeThreads = cutlass::NumThreadsPerWarpGroup - cutlass::NumThreadsPerWarp;
@@ -143,12 +151,21 @@ struct FwdMainloop {
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{}), _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}),
                                        select<1, 2>(TileShapeMNK{}), _1{}));
+  // kVColMajor: V (seqlen, headdim, heads, batch) with the keys contiguous (dense calls only; the host checks).
+  using GmemStrideVColMajor = Stride<_1, int64_t, int64_t, int64_t>;
+  using GmemTensorV = std::conditional_t<
+      kVColMajor,
+      decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStrideVColMajor{})),
+      GmemTensor>;
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorV{}, take<0, 2>(SmemLayoutV{}),
+                                      select<1, 2>(TileShapeMNK{}), _1{}));
 
   // Everything the device needs, built on the host from the call's FwdParams.
   struct Params {
     GmemShape shape_q, shape_k;
     TmaQ tma_q;
-    TmaKV tma_k, tma_v;
+    TmaKV tma_k;
+    TmaV tma_v;
     Sequences seqs;  // each sequence's lengths and rows (varlen.h)
     int band_left, band_right;  // the window's sides (Band::side): read by the causal kernels (band())
     cutlass::FastDivmod qheads_per_kvhead;  // query heads per K/V head, divided by without a division
@@ -165,7 +182,7 @@ struct FwdMainloop {
   };
   __device__ static TileScales tile_scales(Params const& params, TileCoord const& tile) {
     ScoreScales const& s = params.scales;
-    if constexpr (kTransposeV) {
+    if constexpr (Config::kIsFp8) {
       int const head_kv = params.qheads_per_kvhead.div(tile.head);
       float const qk = params.q_descale.at(tile.batch, head_kv) * params.k_descale.at(tile.batch, head_kv);
       bool const softcap = s.softcap_pre_scale > 0.f;
@@ -181,7 +198,15 @@ struct FwdMainloop {
     bool const varlen = p.varlen.enabled();
     auto const mQ = make_gmem_rows<Element const>(p.q, p.seqlen_q, p.headdim, p.nheads, p.batch, varlen, p.varlen.total_q);
     auto const mK = make_gmem_rows<Element const>(p.k, p.seqlen_k, p.headdim, p.nheads_kv, p.batch, varlen, p.varlen.total_k);
-    auto const mV = make_gmem_rows<Element const>(p.v, p.seqlen_k, p.headdim, p.nheads_kv, p.batch, varlen, p.varlen.total_k);
+    auto const mV = [&] {
+      if constexpr (kVColMajor) {  // v.row_stride holds the head dim's stride (FwdParams::v_colmajor)
+        return make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v.ptr)),
+                           make_shape(p.seqlen_k, p.headdim, p.nheads_kv, p.batch),
+                           GmemStrideVColMajor{_1{}, p.v.row_stride, p.v.head_stride, p.v.batch_stride});
+      } else {
+        return make_gmem_rows<Element const>(p.v, p.seqlen_k, p.headdim, p.nheads_kv, p.batch, varlen, p.varlen.total_k);
+      }
+    }();
     return {mQ.shape(),
             mK.shape(),
             make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, select<0, 2>(TileShapeMNK{}), _1{}),
@@ -432,7 +457,7 @@ struct FwdMainloop {
     mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, n_block);
     softmax.template max_get_scale</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
     softmax.template online_softmax</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
-    convert_acc_to_a_regs(tSrS, tOrP);
+    convert_p(tSrS, tOrP);
 
     bool zero_init_o = true;  // the first GEMM1 writes O instead of accumulating
     // One K/V block with GEMM0 of block n overlapping GEMM1 of block n + 1.
@@ -459,7 +484,7 @@ struct FwdMainloop {
       pipeline_v.consumer_release(read_v);
       ++read_v;
       softmax.rescale_o(tOrO, scores_scale);
-      convert_acc_to_a_regs(tSrS, tOrP);
+      convert_p(tSrS, tOrP);
       zero_init_o = false;
     };
 
@@ -487,6 +512,17 @@ struct FwdMainloop {
     // The stage is free once every consumer thread has arrived; thread 0's arrival can wait for O's store.
     if (!kHoldLastV || thread_idx != 0) { pipeline_v.consumer_release(read_v); }
     ++read_v;
+  }
+
+  // P from GEMM0's accumulator in GEMM1's A-operand registers: FP8 in the key order of transpose_v.h, or in the
+  // keys' natural order where V arrives with them contiguous (kVColMajor).
+  template <class Acc, class FragP>
+  __device__ static void convert_p(Acc const& acc, FragP& p) {
+    if constexpr (kVColMajor) {
+      convert_acc_to_a_regs_natural_fp8(acc, p);
+    } else {
+      convert_acc_to_a_regs(acc, p);
+    }
   }
 
   // 16-bit V: the first element of a stage, and the held stage handed back (consumer thread 0).

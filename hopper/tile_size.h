@@ -52,7 +52,7 @@ template <bool C> struct FwdTileSizeFp8<256, C> : FwdTile<128, 128> {};
 
 // The static configuration of one forward kernel. kLongTiles: the one-CTA-per-tile kernel's tiles
 // (kBlockMLong, kBlockNLong); FwdLauncher instantiates that configuration only where kHasLongTiles.
-template <class Element_, int kHeadDim_, bool kIsCausal_, bool kLongTiles_ = false>
+template <class Element_, int kHeadDim_, bool kIsCausal_, bool kLongTiles_ = false, bool kVColMajor_ = false>
 struct FwdConfig {
   static_assert(sizeof(Element_) == 2 || sizeof(Element_) == 1, "16-bit or FP8 (e4m3) inputs");
   static constexpr bool kIsFp8 = sizeof(Element_) == 1;
@@ -72,6 +72,11 @@ struct FwdConfig {
   static constexpr bool kHasLongTiles = TileSize::kBlockMLong != TileSize::kBlockM || TileSize::kBlockNLong != TileSize::kBlockN;
 #endif
   static constexpr int kStages = 2;  // K/V pipeline depth
+  // FP8 V given column-major, its keys (sequence dim) contiguous (FA3's V_colmajor): GEMM1 reads it as the
+  // TMA loads it, and P's registers are exchanged within each quad into the keys' natural order
+  // (convert_acc_to_a_regs_natural_fp8 in utils.h) instead of V being transposed in shared memory.
+  static constexpr bool kVColMajor = kVColMajor_;
+  static_assert(!kVColMajor || kIsFp8, "column-major V: FP8 only (16-bit GEMMs read V either way)");
   static constexpr int kMaxOffset = kIsFp8 ? kFp8MaxOffset : 0;  // flash.h
 
   // Warpgroup 0 loads (and, for FP8, transposes V); each further warpgroup owns 64 rows of the tile.

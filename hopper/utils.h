@@ -159,6 +159,48 @@ CUTE_DEVICE void convert_acc_to_a_regs(Tensor<EngineAcc, LayoutAcc> const& acc, 
   }
 }
 
+// FP8 P in the keys' natural order, for a V given column-major (FwdConfig::kVColMajor): GEMM1 then reads key 16g + 4q + i of each 16-key group g from byte i of word r + 2g of thread q
+// (row lane / 4 + 8r), while GEMM0's accumulator gives thread p the keys 2p, 2p + 1, 8 + 2p, 9 + 2p of each
+// group. Every word gathers two bytes from each of two threads of its quad. Words are exchanged in pairs
+// (r = 0 and 1 of one group), so that one shuffle carries a half of each: even threads of a quad send their
+// low halves first and their high halves second, odd threads the reverse, and thread q reads its first word
+// from quad thread (2 (q % 2) + q / 2) and its second from that one's neighbour. Per pair of words: 2 byte
+// permutes to send, 2 shuffles, 2 byte permutes to assemble. (Checked by a simulation of the 32 lanes.)
+template <class EngineAcc, class LayoutAcc, class EngineP, class LayoutP>
+CUTE_DEVICE void convert_acc_to_a_regs_natural_fp8(Tensor<EngineAcc, LayoutAcc> const& acc, Tensor<EngineP, LayoutP>& p) {
+  static_assert(sizeof(typename EngineP::value_type) == 1);
+  constexpr int kColGroups = decltype(size<0, 2>(acc))::value;  // 8-key column groups (c)
+  static_assert(decltype(size<0, 0>(acc))::value == 2 && decltype(size<0, 1>(acc))::value == 2 && kColGroups % 2 == 0 &&
+                decltype(size(acc))::value == 4 * kColGroups);
+  constexpr int kWords = kColGroups;  // 4 bytes each: (r, g) for 16-key groups g
+  static_assert(decltype(size(p))::value == 4 * kWords);
+  // Accumulator value (j, r, c) is acc(j + 2 r + 4 c); word r + 2g in accumulator order: (0, r, 2g),
+  // (1, r, 2g), (0, r, 2g + 1), (1, r, 2g + 1).
+  Tensor ordered = make_tensor<float>(Shape<Int<4 * kWords>>{});
+  CUTLASS_PRAGMA_UNROLL
+  for (int w = 0; w < kWords; ++w) {
+    int const r = w % 2, g = w / 2;
+    CUTLASS_PRAGMA_UNROLL
+    for (int b = 0; b < 4; ++b) { ordered(4 * w + b) = acc((b % 2) + 2 * r + 4 * (2 * g + b / 2)); }
+  }
+  Tensor bytes = make_tensor<typename EngineP::value_type>(Shape<Int<4 * kWords>>{});
+  convert_into(ordered, bytes);
+  uint32_t const* own = reinterpret_cast<uint32_t const*>(bytes.data());
+  uint32_t* out = reinterpret_cast<uint32_t*>(p.data());
+  int const lane = int(threadIdx.x) % cutlass::NumThreadsPerWarp, q = lane % 4;
+  int const first_source = (lane & ~3) | ((q % 2) << 1) | (q / 2);
+  uint32_t const send_first = q % 2 == 0 ? 0x5410u : 0x7632u;  // low halves of both words, or high
+  uint32_t const take_r0 = q < 2 ? 0x5410u : 0x1054u;         // the two low (high) halves in key order
+  CUTLASS_PRAGMA_UNROLL
+  for (int g = 0; g < kWords / 2; ++g) {
+    uint32_t const w0 = own[2 * g], w1 = own[2 * g + 1];
+    uint32_t const a = __shfl_sync(0xffffffffu, __byte_perm(w0, w1, send_first), first_source);
+    uint32_t const b = __shfl_sync(0xffffffffu, __byte_perm(w0, w1, send_first ^ 0x2222u), first_source ^ 1);
+    out[2 * g] = __byte_perm(a, b, take_r0);
+    out[2 * g + 1] = __byte_perm(a, b, take_r0 ^ 0x2222u);
+  }
+}
+
 // threadIdx.x - 128 (the consumer index of kernels whose warpgroup 0 produces), which the compiler cannot
 // move across loop iterations: per-thread offsets derived from it are recomputed where used instead of
 // hoisted out of a loop and held (or spilled) through it.

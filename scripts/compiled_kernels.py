@@ -12,7 +12,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4
 def compiled_kernels(direction, dtypes):
     """(head dim, torch dtype, causal) of every compiled `direction` ("fwd"/"bwd") kernel whose dtype is in
     `dtypes` ("fp16", "bf16", "e4m3"), by head dim, dtype (in the order given), non-causal first."""
-    kernels = [k for k in flash_ext.build_info()["kernels"] if k["direction"] == direction and k["dtype"] in dtypes]
+    kernels = [k for k in flash_ext.build_info()["kernels"]
+               if k["direction"] == direction and k["dtype"] in dtypes and not k.get("v_colmajor", False)]
     kernels.sort(key=lambda k: (k["headdim"], dtypes.index(k["dtype"]), k["causal"]))
     return [(k["headdim"], DTYPES[k["dtype"]], k["causal"]) for k in kernels]
 

@@ -176,3 +176,51 @@ def test_quantize_with_a_cache_descale():
     assert ((back - k_new.double()).abs() <= k_new.double().abs() * 2 ** -4 + descale.max().item() * 2 ** -9).all()
     with pytest.raises(ValueError, match=r"descale must be \(batch=2, nheads_kv\)"):
         fp8.quantize_with(k_new, descale[:, :1].expand(2, 3))
+
+
+def test_quantize_qkv_v_colmajor():
+    """v_colmajor=True: the same values, the sequence dim contiguous (what the forward's column-major path reads)."""
+    q, k, v = (torch.randn(2, s, h, 64) for s, h in ((9, 4), (33, 2), (33, 2)))
+    rowmajor = fp8.quantize_qkv(q, k, v)
+    colmajor = fp8.quantize_qkv(q, k, v, v_colmajor=True)
+    v8 = colmajor[2]
+    assert v8.shape == (2, 33, 2, 64) and v8.stride(1) == 1 and v8.stride(-1) == 48  # 33 keys padded to 48
+    assert torch.equal(v8.view(torch.uint8), rowmajor[2].view(torch.uint8))
+    for a, b in zip(colmajor[:2] + colmajor[3:], rowmajor[:2] + rowmajor[3:]):
+        assert torch.equal(a.float(), b.float())
+    with pytest.raises(TypeError, match=r"v_colmajor must be a bool, got int"):
+        fp8.quantize_qkv(q, k, v, v_colmajor=1)
+
+
+def test_kernel_table_v_colmajor_entries():
+    """Column-major V has kernels of its own only for the FP8 forward at the listed head dims, both masks."""
+    entries = [e for e in flash_ext.kernel_table.all_kernels() if e.v_colmajor]
+    assert sorted((e.direction, e.dtype, e.headdim, e.causal) for e in entries) == sorted(
+        ("fwd", dtype, headdim, causal) for dtype, headdim in flash_ext.kernel_table.V_COLMAJOR_FWD for causal in (False, True))
+    assert all(e.file_name.endswith("_vcolmajor_sm90.cu") for e in entries)
+
+
+def test_has_kernel_ignores_v_colmajor_entries():
+    info = {"kernels": [{"direction": "fwd", "headdim": 256, "dtype": "e4m3", "causal": False, "v_colmajor": True}]}
+    assert not flash_ext.has_kernel("fwd", 256, E4M3, False, info=info)
+    info["kernels"].append({"direction": "fwd", "headdim": 256, "dtype": "e4m3", "causal": False, "v_colmajor": False})
+    assert flash_ext.has_kernel("fwd", 256, E4M3, False, info=info)
+
+
+@needs_ext
+def test_fp8_v_neither_row_nor_column_major():
+    q = torch.zeros(1, 8, 2, 64).to(E4M3)
+    v = torch.zeros(1, 2, 64, 16).to(E4M3).permute(0, 3, 1, 2)[:, :8]  # head dim and seqlen both strided
+    v = v.as_strided(v.shape, (v.stride(0), 2, v.stride(2), v.stride(3)))
+    with pytest.raises(ValueError, match=r"v must be contiguous in its last \(headdim\) dim"):
+        flash_ext.forward(q, q, v)
+
+
+@needs_ext
+def test_fp8_v_colmajor_bad_stride():
+    q = torch.zeros(1, 8, 2, 64).to(E4M3)
+    base = torch.zeros(1, 2, 64, 8 + 4).to(E4M3)[..., :8]  # seqlen stride 1, head dim stride 12 (not 16-aligned)
+    v = base.permute(0, 3, 1, 2)
+    assert v.stride(1) == 1 and v.stride(3) == 12
+    with pytest.raises(ValueError, match=r"v \(column-major: its sequence dim contiguous\) stride 12 of dim 3"):
+        flash_ext.forward(q, q, v)

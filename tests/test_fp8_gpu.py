@@ -34,12 +34,12 @@ def _max_offset():
     return flash_ext.build_info()["fp8_max_offset"]
 
 
-def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, seed, hadamard=False):
+def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, seed, hadamard=False, v_colmajor=False):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", generator=gen)
     k = torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=gen)
     v = torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=gen)
-    return fp8.quantize_qkv(q.bfloat16(), k.bfloat16(), v.bfloat16(), hadamard=hadamard)
+    return fp8.quantize_qkv(q.bfloat16(), k.bfloat16(), v.bfloat16(), hadamard=hadamard, v_colmajor=v_colmajor)
 
 
 def _check(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale=None):
@@ -180,3 +180,19 @@ def test_fp8_bad_inputs_on_gpu():
     q_grad = q8.detach().requires_grad_(True)
     with pytest.raises(NotImplementedError, match=r"FP8 forward is not differentiable"):
         flash_ext.forward(q_grad, k8, v8)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [256, 128])  # 256: the kernels for column-major V; 128: a row-major copy
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(7, 113), (239, 1000), (2049, 2049)])
+def test_fp8_v_colmajor(seqlen_q, seqlen_k, headdim, causal):
+    """v column-major (its sequence dim contiguous, quantize_qkv(v_colmajor=True)): within the error rule, and
+    next to the row-major call on the same values: the same P and V, only GEMM1's key order differs."""
+    q8, k8, v_colmajor, q_d, k_d, v_d = _inputs(2, seqlen_q, seqlen_k, 8, 2, headdim, seed=headdim + seqlen_k,
+                                                v_colmajor=True)
+    assert v_colmajor.stride(1) == 1 and v_colmajor.stride(-1) != 1
+    out_cm, lse_cm = _check(q8, k8, v_colmajor, q_d, k_d, v_d, causal=causal)
+    out, lse = flash_ext.forward(q8, k8, v_colmajor.contiguous(), causal=causal, q_descale=q_d, k_descale=k_d,
+                                 v_descale=v_d)
+    assert torch.equal(lse_cm, lse)  # S and the softmax statistics do not depend on V's layout
+    assert (out_cm.float() - out.float()).abs().max().item() <= 2e-2 * out.float().abs().max().item()
