@@ -28,8 +28,8 @@ DTYPES_BY_DIRECTION = {"fwd": ("fp16", "bf16", "e4m3"), "bwd": ("fp16", "bf16"),
 CAUSAL_BY_DIRECTION = {"fwd": CAUSAL, "bwd": CAUSAL, "decode": (False,)}
 # FP8 forward kernels that also read V given column-major (its sequence dim contiguous: FA3's V_colmajor)
 # without a transpose in shared memory, as (dtype, head dim); other head dims take such a V from a row-major
-# copy. NOT YET TIMED (branch exp/fp8-v-colmajor, docs/perf-notes.md section 42): lands only if d256 pays for
-# its two extra kernels.
+# copy. d256: +4-6% over the transposing kernels from 1k to 16k keys, both masks; d128 gained nothing
+# (its softmax is issue-bound, and the P exchange adds to it): docs/perf-notes.md section 43.
 V_COLMAJOR_FWD = (("e4m3", 256),)
 
 
