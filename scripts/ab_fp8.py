@@ -12,7 +12,8 @@ import os
 import torch
 from triton.testing import do_bench
 
-from variant_builds import build_ops, colmajor
+from flash_ext.fp8 import colmajor
+from variant_builds import build_ops
 
 
 def main():

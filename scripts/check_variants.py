@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from flash_ext import fp8
+from flash_ext.fp8 import colmajor
 from flash_ext.reference import attention_fp8_emulation, attention_lowp, attention_ref
-from variant_builds import apply_setting, build_ops, colmajor, parse_settings, setting_name
+from variant_builds import apply_setting, build_ops, parse_settings, setting_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from gpu_helpers import poison_allocator, rounding_noise  # noqa: E402

@@ -40,12 +40,3 @@ def apply_setting(setting, settings):
 def setting_name(setting):
     return ",".join(f"{k}={v}" for k, v in setting.items()) or "(none)"
 
-
-def colmajor(v):
-    """v (batch, seqlen, heads, headdim) with the same values, its sequence dim contiguous (FA3's column-major
-    V), the other strides padded to multiples of 16 elements as the TMA loads need."""
-    batch, seqlen, heads, headdim = v.shape
-    padded = (seqlen + 15) // 16 * 16
-    buf = v.new_empty(batch, heads, headdim, padded)
-    buf[..., :seqlen] = v.permute(0, 2, 3, 1)
-    return buf[..., :seqlen].permute(0, 3, 1, 2)

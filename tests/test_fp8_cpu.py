@@ -190,6 +190,8 @@ def test_quantize_qkv_v_colmajor():
         assert torch.equal(a.float(), b.float())
     with pytest.raises(TypeError, match=r"v_colmajor must be a bool, got int"):
         fp8.quantize_qkv(q, k, v, v_colmajor=1)
+    with pytest.raises(ValueError, match=r"v must be a 4-dim tensor \(batch, seqlen, heads, headdim\), got Tensor of shape \(33, 64\)"):
+        fp8.colmajor(v[0, :, 0])
 
 
 def test_kernel_table_v_colmajor_entries():
