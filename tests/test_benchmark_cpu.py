@@ -494,6 +494,23 @@ def test_flash_ext_backward_call_on_cpu(fake_build, monkeypatch):
     assert backward_calls and set(backward_calls) == {("backward", True)}
 
 
+def test_fp8_v_colmajor_option(fake_build, monkeypatch):
+    """--fp8-v-colmajor: flash_ext's FP8 forward gets V column-major (made outside the timed call) where the
+    build has a kernel for it, row-major elsewhere; the titles say so, only for --dtype fp8."""
+    args = _args("--dtype", "fp8", "--fp8-v-colmajor", "--quick")
+    assert "flash_ext FP8 V column-major" in cli.table_title("fwd", {}, args)
+    assert "column-major" not in cli.table_title("fwd", {}, _args("--fp8-v-colmajor", "--quick"))
+    fake_build["kernels"].append({"direction": "fwd", "headdim": 256, "dtype": "e4m3", "causal": False, "v_colmajor": True})
+    seen = []
+    monkeypatch.setattr(flash_ext, "forward", lambda q, k, v, **kw: seen.append(v.stride(1)) or (q, None))
+    backend = backends.FlashExtBackend(runner.RunConfig(dtype="fp8", fp8_v_colmajor=True))
+    for d in (256, 128):
+        q = torch.zeros(1, 32, 2, d).to(torch.float8_e4m3fn)
+        fn, _ = backend.make_fwd(q, q, q, Shape(1, 32, 32, 2, 2, d, False), 0.1)
+        fn()
+    assert seen == [1, 2 * 128]  # d256: column-major (sequence stride 1); d128: as given (nheads * headdim)
+
+
 def test_fp8_run_has_the_bf16_yardstick(fake_build):
     """--dtype fp8: flash_ext runs the e4m3 kernels (forward only) and flash_ext_bf16 our bf16 forward on the
     same inputs; the table shows their ratio."""

@@ -107,6 +107,9 @@ def build_parser():
     g.add_argument("--flex", action="store_true", help="add FlexAttention (torch.compile; compiles once per shape)")
     g.add_argument("--deterministic", action="store_true",
                    help="flash_ext's backward in its deterministic mode (no effect on other backends or the forward)")
+    g.add_argument("--fp8-v-colmajor", action="store_true",
+                   help="with --dtype fp8: flash_ext reads V column-major (flash_ext.fp8.colmajor, made outside the "
+                   "timed region) at the head dims that have kernels for it (d256)")
     s = p.add_argument_group("shapes (default grid: d {64,128,256} x s {512..16k} x both masks, b*s = 16k, h*d = 2048)")
     s.add_argument("--headdims", type=parse_int_list, default=None, help="comma list of head dims, e.g. 64,128")
     s.add_argument("--seqlens", type=parse_int_list, default=None, help="comma list of seqlens, e.g. 512,8k")
@@ -248,8 +251,9 @@ def config_dict(args, shapes, modes, backend_keys):
     }
 
 
-def _deterministic_note(args, modes):
-    return ", flash_ext deterministic" if args.deterministic and "bwd" in modes else ""
+def _flash_ext_options_note(args, modes):
+    note = ", flash_ext deterministic" if args.deterministic and "bwd" in modes else ""
+    return note + (", flash_ext FP8 V column-major" if args.fp8_v_colmajor and args.dtype == "fp8" else "")
 
 
 def _variant_note(args):
@@ -261,7 +265,7 @@ def _variant_note(args):
 def format_dry_run(shapes, modes, backend_keys, args):
     lines = [
         f"flash_ext benchmark (dry run): modes {'+'.join(modes)}, "
-        f"dtype {args.dtype}{_deterministic_note(args, modes)}{_variant_note(args)}, {len(shapes)} shape(s), "
+        f"dtype {args.dtype}{_flash_ext_options_note(args, modes)}{_variant_note(args)}, {len(shapes)} shape(s), "
         f"backends {', '.join(backend_name(k) for k in backend_keys)}",
         f"timing: do_bench warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms, median; output folder {args.out}",
     ]
@@ -309,7 +313,7 @@ def table_title(mode, env, args):
     elif env.get("sm_clock_mhz"):
         clock = f", SM clock {env['sm_clock_mhz']} MHz at the start"
     return (
-        f"== {MODE_TITLES[mode]} | {args.dtype}{_deterministic_note(args, [mode])}{_variant_note(args)} | {gpu}{clock} | "
+        f"== {MODE_TITLES[mode]} | {args.dtype}{_flash_ext_options_note(args, [mode])}{_variant_note(args)} | {gpu}{clock} | "
         "TFLOP/s, median of "
         f"do_bench (warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms) =="
     )
@@ -404,7 +408,7 @@ def main(argv=None):
     else:
         device = torch.device("cuda", torch.cuda.current_device())
     cfg = RunConfig(dtype=args.dtype, input_scale=args.input_scale, seed=args.seed, math_max_gb=args.math_max_gb,
-                    deterministic=args.deterministic)
+                    deterministic=args.deterministic, fp8_v_colmajor=args.fp8_v_colmajor)
     backends = make_backends(backend_keys, cfg)
     env = collect_env(device)
     command = [sys.executable, "-m", "flash_ext.benchmark"] + list(sys.argv[1:] if argv is None else argv)

@@ -23,6 +23,7 @@ class RunConfig:
     seed: int = 0
     math_max_gb: float = 2.0
     deterministic: bool = False  # flash_ext's backward only
+    fp8_v_colmajor: bool = False  # flash_ext's FP8 forward reads V column-major where it has kernels for it
 
 
 class FatalDeviceError(RuntimeError):
