@@ -17,7 +17,8 @@
 #   VARLEN=1                                      also the --varlen benchmark (fwd and bwd, d64/128/256, both masks)
 #   OVERHEAD=1                                    also scripts/call_overhead.py (host and GPU time of a tiny call)
 #   DECODE=1                                      also the --decode benchmark (flash_attn_with_kvcache beside SDPA)
-#   FP8=1                                         also the FP8 benchmark (fp8 vs our bf16, 8k, d64/128/256, both masks),
+#   FP8=1                                         also the FP8 benchmark (fp8 vs our bf16, 8k, d64/128/256, both masks;
+#                                                 d256 again with V column-major),
 #                                                 memcheck over every FP8 kernel, and the accuracy table
 #                                                 (FP8_VARIANT=off0: a -DFLASH_EXT_FP8_MAX_OFFSET=0 variant build)
 #   TESTS=0, PYTEST_ARGS="-k backward"            skip or narrow the tests
@@ -89,6 +90,8 @@ fi
 if [ "${FP8:-0}" != 0 ]; then
   step bench_fp8 ${BENCH_S:-240} python3 -m flash_ext.benchmark --dtype fp8 --headdims 64,128,256 --seqlens 8k --causal both \
     --out "$out" --name bench_fp8 --no-progress
+  step bench_fp8_v_colmajor ${BENCH_S:-240} python3 -m flash_ext.benchmark --dtype fp8 --fp8-v-colmajor --headdims 256 \
+    --seqlens 8k --causal both --out "$out" --name bench_fp8_v_colmajor --no-progress
   step memcheck_fp8 ${MEMCHECK_S:-240} compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fp8.py
   step fp8_accuracy ${BENCH_S:-240} python3 scripts/fp8_accuracy.py ${FP8_VARIANT:+--variant $FP8_VARIANT} \
     --out "$out/fp8_accuracy.md"
