@@ -198,7 +198,7 @@ struct FwdKernel {
   static constexpr bool kOInVStage = kPersistent && Policy::kOInVStage;
   static constexpr bool kODirect = kPersistent && Policy::kODirect;
   static constexpr bool kOOverV = kPersistent && Policy::kOOverV;
-  static constexpr bool kStageOInVt = !kPersistent && Config::kIsFp8;  // V^T's buffer: V's stages where it arrives so
+  static constexpr bool kStageOInVt = !kPersistent && Config::kIsFp8;  // (column-major V: V's own stages)
   using Epilogue = FwdEpilogue<typename Config::ElementOut, kBlockM, Config::kHeadDim, typename Mainloop::TiledMmaPV,
                                kNumMmaThreads,
                                kODirect ? OStore::kDirect : (kPersistent ? OStore::kTmaAsync : OStore::kTmaWaited)>;
