@@ -52,28 +52,25 @@ struct FwdLaunchPolicy {
 #define FLASH_EXT_FORCE_DIRECT_O 0
 #endif
   static constexpr bool kOwnOBuffer =
-      !FLASH_EXT_FORCE_DIRECT_O && !Mainloop::kTransposeV &&
+      !FLASH_EXT_FORCE_DIRECT_O && !Config::kIsFp8 &&
       int(sizeof(typename Mainloop::TensorStorage)) + EpilogueAsync::kSmemBytes + 1024 <= kSmemLimit;
-  static constexpr bool kOInVStage = !FLASH_EXT_FORCE_DIRECT_O && !kOwnOBuffer && !Mainloop::kTransposeV &&
+  static constexpr bool kOInVStage = !FLASH_EXT_FORCE_DIRECT_O && !kOwnOBuffer && !Config::kIsFp8 &&
                                      !Config::kIsCausal && EpilogueAsync::kSmemBytes <= Mainloop::kSmemBytesVStage;
   // O written from registers (FwdEpilogue, OStore::kDirect): d192, +5-10% at 512 keys and +1-6% at 1k over one
   // CTA per tile. d256 only within noise that way (+1.5-2% at 512, -2% at 1k; its persistent consumers spill 36
   // bytes, perf-notes section 28): d256 causal stages O over V instead (kOOverV below).
-  // FP8 up to d192 too (its O, bf16, is twice Q's size and shared memory is full of V's two copies); FP8 d256's
-  // persistent form spilled 72 bytes and ran 4-15% slower from 2k keys (perf-notes section 41).
+  // FP8 up to d192 too (its O, bf16, is twice Q's size and shared memory is full of V's two copies); FP8 d256 has
+  // no persistent form: its consumers need all 240 registers, and the form spilled 72 bytes and ran 4-15% slower
+  // from 2k keys (perf-notes section 41); with V column-major, 88-108 bytes and 2-20% slower (section 43).
   static constexpr bool kODirect = !kOwnOBuffer && !kOInVStage && (FLASH_EXT_FORCE_DIRECT_O || Config::kHeadDim <= 192);
   // O staged over both V stages (d256 causal, whose O is larger than one stage): the next tile's first V waits
   // for the store, its Q and first K do not (FwdMainloop::load). +10% at 512 keys, +4% at 1k over one CTA per
   // tile; d256 non-causal +3% at 512 only, -2 to -4% from 1k, and its consumers spill 24 bytes (perf-notes
   // section 35): not compiled.
   static constexpr bool kOOverV = !FLASH_EXT_FORCE_DIRECT_O && !kOwnOBuffer && !kOInVStage && !kODirect &&
-                                  !Mainloop::kTransposeV && Config::kIsCausal &&
+                                  !Config::kIsFp8 && Config::kIsCausal &&
                                   EpilogueAsync::kSmemBytes <= Mainloop::kStages * Mainloop::kSmemBytesVStage;
-  // FP8 d256 keeps one CTA per tile in either V layout: its consumers need all 240 registers, and its
-  // persistent forms spilled 72 bytes (V transposed, perf-notes section 41) and 88-108 (column-major V, whose O
-  // fits a buffer of its own; section 42).
-  static constexpr bool kPersistentCapable =
-      (kOwnOBuffer || kOInVStage || kODirect || kOOverV) && !(Config::kIsFp8 && Config::kHeadDim > 192);
+  static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage || kODirect || kOOverV;
   // Persistent while a tile spans at most this many keys; beyond, one CTA per tile. Both forms timed in one
   // process (perf-notes sections 15, 32 and 39): persistent wins through 8k keys at d64 non-causal (+3%) and
   // d192 causal (+5-8%), through 4k at d128 (+2-4%) and at d64 and d256 causal (+1-5% at 4k once the L2
