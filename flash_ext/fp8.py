@@ -20,7 +20,7 @@ that divides them (32 and 64), still orthonormal. V is never rotated (the output
 
 v_colmajor=True (or colmajor(v8)) lays v8 out column-major, its sequence dim contiguous (FlashAttention-3's
 V_colmajor): at head dim 256 the forward then skips the transpose of V in shared memory that FP8 GEMMs need
-otherwise, 4-6% faster on the H200 (docs/fp8.md).
+otherwise, 3-10% faster on the H200 (docs/fp8.md).
 """
 import torch
 

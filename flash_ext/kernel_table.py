@@ -28,8 +28,8 @@ DTYPES_BY_DIRECTION = {"fwd": ("fp16", "bf16", "e4m3"), "bwd": ("fp16", "bf16"),
 CAUSAL_BY_DIRECTION = {"fwd": CAUSAL, "bwd": CAUSAL, "decode": (False,)}
 # FP8 forward kernels that also read V given column-major (its sequence dim contiguous: FA3's V_colmajor)
 # without a transpose in shared memory, as (dtype, head dim); other head dims take such a V from a row-major
-# copy. d256: +4-6% over the transposing kernels from 1k to 16k keys, both masks; d128 gained nothing
-# (its softmax is issue-bound, and the P exchange adds to it): docs/perf-notes.md section 43.
+# copy. d256: +3-6% over the transposing kernels from 1k to 16k keys, both masks, in one process (+10% at 8k
+# non-causal in a benchmark call); d128 and d192 were mixed (causal gains, non-causal losses): docs/perf-notes.md section 43.
 V_COLMAJOR_FWD = (("e4m3", 256),)
 
 
