@@ -25,10 +25,24 @@ def _kernel_readable(t):
     return t
 
 
+_RANK_LAYOUTS = {3: "(total_tokens, nheads, headdim)", 4: "(batch, seqlen, nheads, headdim)"}
+
+
+def _require_rank(t, name, rank, op=None):
+    """The rank check the C++ op makes first (csrc/arg_checks.cpp, same message), made here too: a fake runs
+    in its place under torch.compile and would otherwise fail unpacking the shape."""
+    if t.dim() != rank:
+        shape = tuple(t.shape)
+        layout = _RANK_LAYOUTS[rank] + (f" for {op}" if op else "")
+        raise ValueError(f"{name} must have {rank} dims {layout}, got {t.dim()} dims with shape {shape}")
+
+
 def register():
     @torch.library.register_fake("flash_ext::fwd")
     def _fwd_fake(q, k, v, softmax_scale, causal, q_descale=None, k_descale=None, v_descale=None, window_left=-1,
                   window_right=-1, softcap=0.0):
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            _require_rank(t, name, 4)
         b, sq, h, _ = q.shape
         out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype  # FP8 in, bf16 out
         out = torch.empty_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)
@@ -82,6 +96,8 @@ def _register_decode():
     def _decode_fake(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                      causal, window_left=-1, window_right=-1, softcap=0.0, num_splits=0, q_descale=None, k_descale=None,
                      v_descale=None):
+        for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+            _require_rank(t, name, 4)
         b, sq, h, _ = q.shape  # the caches are written in place (the schema's Tensor(a!) / (b!)); nothing returned
         dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype  # FP8 caches give bf16
         out = torch.empty_like(q, dtype=dtype, memory_format=torch.contiguous_format)
@@ -97,6 +113,8 @@ def _register_varlen():
     @torch.library.register_fake("flash_ext::fwd_varlen")
     def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, causal, window_left=-1, window_right=-1, softcap=0.0):
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            _require_rank(t, name, 3, op="flash_ext.flash_attn_varlen_func")
         total_q, h, _ = q.shape
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         return out, q.new_empty((h, total_q), dtype=torch.float32)  # lse (nheads, total_q), FA3's varlen layout

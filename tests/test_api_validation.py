@@ -36,6 +36,39 @@ def test_wrong_rank(shape):
 
 
 @needs_ext
+@pytest.mark.parametrize("shape", [(8, 2, 64), (1, 1, 8, 2, 64)])
+@pytest.mark.parametrize("op", ["fwd", "decode", "fwd_varlen"])
+def test_wrong_rank_in_fake_as_in_op(shape, op):
+    """Under torch.compile the ops' fakes run first: a q of the wrong rank gets the op's own message there too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = qkv()
+    bad = torch.randn(shape).half()
+    if op == "fwd":
+        def call(q_):
+            return torch.ops.flash_ext.fwd(q_, k, v, 0.125, False)
+        expected = r"q must have 4 dims \(batch, seqlen, nheads, headdim\), got \d dims with shape \("
+    elif op == "decode":
+        def call(q_):
+            return torch.ops.flash_ext.decode(q_, k, v, None, None, None, None, None, 0.125, False)
+        expected = r"q must have 4 dims \(batch, seqlen, nheads, headdim\), got \d dims with shape \("
+    else:
+        if not flash_ext.ops.has_varlen_ops():
+            pytest.skip("this build has no varlen ops")
+        bad = torch.randn(shape[:-1] if len(shape) == 3 else shape).half()  # rank 2 or 5 where 3 is wanted
+        cu = torch.tensor([0, 8], dtype=torch.int32)
+        k, v = k[0], v[0]
+
+        def call(q_):
+            return torch.ops.flash_ext.fwd_varlen(q_, k, v, cu, cu, None, None, 8, 8, 0.125, False)
+        expected = r"q must have 3 dims \(total_tokens, nheads, headdim\) for flash_ext.flash_attn_varlen_func, got"
+    with pytest.raises(ValueError, match=expected):
+        call(bad)  # the C++ op on CPU tensors
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match=expected):
+        call(bad)  # the fake
+
+
+@needs_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.float64])
 def test_unsupported_dtype(dtype):
     q, k, v = qkv()
