@@ -78,7 +78,8 @@ struct FwdParams {
   // allocated by the caller; the launcher clears it.
   void* workspace = nullptr;
   // FP8 v given column-major, its sequence dim contiguous (stride 1): v.row_stride then holds the head dim's
-  // stride, and the kernels compiled for that layout run (FwdConfig::kVColMajor).
+  // stride, and the kernels compiled for that layout run (FwdConfig::kVColMajor; FwdLauncher::run refuses a
+  // mismatch).
   bool v_colmajor = false;
 };
 

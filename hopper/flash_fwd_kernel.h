@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -267,17 +268,20 @@ struct FwdKernel {
     // setmaxnreg) then overlaps their flight instead of preceding it (perf-notes sections 38 and 40).
     using LoadPart = typename Mainloop::LoadPart;
     typename Mainloop::PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
+    // One part of the one tile's loads. The tile is worked out again for each part (cheap: the divisors are the
+    // host's), so that nothing is held in registers across the barrier and setmaxnreg.
+    auto load_single_tile = [&](auto part) {
+      TileCoord const tile = scheduler.coord(scheduler.first());
+      SeqInfo const seq = sequence(tile);
+      KeyBlocks const blocks = key_blocks(tile, seq);
+      Mainloop::template load</*kLoopsOverTiles=*/false, /*kOOverV=*/false, decltype(part)::value>(
+          params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, seq, blocks.min,
+          blocks.max, 0, [] {});
+    };
     if constexpr (!kPersistent) {
       if (warp_idx == 0) {
         __syncwarp();
-        if (is_producer_thread) {
-          TileCoord const tile = scheduler.coord(scheduler.first());
-          SeqInfo const seq = sequence(tile);
-          KeyBlocks const blocks = key_blocks(tile, seq);
-          Mainloop::template load</*kLoopsOverTiles=*/false, /*kOOverV=*/false, LoadPart::kHead>(
-              params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, seq, blocks.min,
-              blocks.max, 0, [] {});
-        }
+        if (is_producer_thread) { load_single_tile(std::integral_constant<LoadPart, LoadPart::kHead>{}); }
       }
     }
     __syncthreads();
@@ -301,12 +305,7 @@ struct FwdKernel {
           Mainloop::load_end(storage.barriers, iteration,
                              [&storage, slot = iteration & 1] { storage.tile_slots[slot] = TileCoord{-1, 0, 0}; });
         } else {
-          TileCoord const tile = scheduler.coord(scheduler.first());
-          SeqInfo const seq = sequence(tile);
-          KeyBlocks const blocks = key_blocks(tile, seq);
-          Mainloop::template load</*kLoopsOverTiles=*/false, /*kOOverV=*/false, LoadPart::kTail>(
-              params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, seq, blocks.min,
-              blocks.max, 0, [] {});
+          load_single_tile(std::integral_constant<LoadPart, LoadPart::kTail>{});
         }
       } else if (Mainloop::kTransposeV && warp_idx > 0) {
         int const transpose_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarp;

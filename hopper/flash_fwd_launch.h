@@ -4,6 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <stdexcept>
+#include <string>
+
 #include "flash.h"
 #include "flash_fwd_kernel.h"
 #include "kernel_launch.h"
@@ -25,6 +28,11 @@ struct FwdLauncher {
   static size_t workspace_bytes(FwdParams const& p) { return Policy::workspace_bytes(p); }
 
   static void run(FwdParams const& p, cudaStream_t stream) {
+    // The layout of V is this kernel's template parameter: a V in the other one would be read wrong, silently.
+    if (p.v_colmajor != kVColMajor) {
+      throw std::invalid_argument(std::string("flash_ext: v given ") + (p.v_colmajor ? "column" : "row") +
+                                  "-major to a forward kernel compiled for the other layout");
+    }
     int const device = current_device();
     auto const mode = Policy::launch_mode(p);
     // The kernel's parameters hold the tile scheduler, which also gives the grid: built once per call.
