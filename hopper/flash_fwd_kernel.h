@@ -368,7 +368,8 @@ struct FwdKernel {
         typename Mainloop::TiledMmaPV tiled_mma_pv;
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 2>(typename Mainloop::TileShapeMNK{}));
         auto const scales = Mainloop::tile_scales(params.mainloop, tile);
-        Softmax<2 * decltype(size<1>(tOrO))::value, Config::kMaxOffset, Config::kExp2OnFmaEvery> softmax(scales.softmax_scale_log2);
+        Softmax<2 * decltype(size<1>(tOrO))::value, Config::kMaxOffset, Config::kExp2OnFmaEvery, Config::kLazyRescale>
+            softmax(scales.softmax_scale_log2);
         // Persistent CTAs: the next tile's Q may land once every warpgroup's last GEMM0 is complete. One CTA
         // per tile loads no further Q (and may stage O in Q's buffer).
         auto q_read = [&] {

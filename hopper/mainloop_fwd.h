@@ -483,7 +483,7 @@ struct FwdMainloop {
       warpgroup_fence_operand(tOrO);
       pipeline_v.consumer_release(read_v);
       ++read_v;
-      softmax.rescale_o(tOrO, scores_scale);
+      softmax.rescale_o_if_changed(tOrO, scores_scale);
       convert_p(tSrS, tOrP);
       zero_init_o = false;
     };

@@ -91,11 +91,21 @@ __device__ __forceinline__ void scale_apply_exp2(Tensor<Engine0, Layout0>& tenso
 // kNRows: rows of the score tile this thread holds (2 per 64-row GMMA atom). kMaxOffset: P is produced
 // scaled by 2^kMaxOffset (8 for FP8, to use its range); finalize divides it back out of the LSE, and
 // the 1/sum it returns already includes it for O.
-template <int kNRows, int kMaxOffset = 0, int kExp2OnFmaEvery = 0>
+//
+// kLazyRescale: a row keeps its old max while the block's max exceeds it by at most kLazyThreshold (log2 units),
+// so that P = exp2(S * scale_log2 - max_scaled) stays below 2^(kMaxOffset + kLazyThreshold); the correction factor
+// is then 1, and a warp whose rows all keep theirs skips O's rescale (rescale_o_if_changed). After a row's first
+// blocks its max seldom moves that far, so most blocks skip the O rescale's FMULs (FlashAttention-4's
+// conditional rescaling). The result is the same up to rounding: LSE uses the max that P used.
+template <int kNRows, int kMaxOffset = 0, int kExp2OnFmaEvery = 0, bool kLazyRescale = false>
 struct Softmax {
   using TensorT = decltype(make_tensor<float>(Shape<Int<kNRows>>{}));
   TensorT row_max, row_sum;
   float const softmax_scale_log2;
+  // 16-bit P may grow to 2^8 (fp32 sums and bf16/fp16 P hold it exactly as well); FP8 P, already scaled by
+  // 2^kMaxOffset, may not pass e4m3's largest value, 448 = 2^8.8.
+  static constexpr float kLazyThreshold = kMaxOffset > 0 ? 0.75f : 8.f;
+  static_assert(kMaxOffset <= 8, "P's largest value with the lazy threshold must stay within e4m3's range");
 
   __device__ __forceinline__ explicit Softmax(float const softmax_scale_log2_) : softmax_scale_log2(softmax_scale_log2_) {
     // A tile that sees no key never calls max_get_scale; this state makes finalize give O = 0, LSE = -inf.
@@ -121,6 +131,14 @@ struct Softmax {
       for (int mi = 0; mi < kNRows; ++mi) {
         float const scores_max_cur = !kCheckInf ? row_max(mi) : (row_max(mi) == -INFINITY ? 0.f : row_max(mi));
         scores_scale(mi) = exp2f((scores_max_prev(mi) - scores_max_cur) * softmax_scale_log2);
+        if constexpr (kLazyRescale) {
+          // False for a row still without a finite max (-inf - -inf is NaN) and for one getting its first (+inf).
+          bool const keep = (row_max(mi) - scores_max_prev(mi)) * softmax_scale_log2 <= kLazyThreshold;
+          if (keep) {
+            row_max(mi) = scores_max_prev(mi);
+            scores_scale(mi) = 1.f;
+          }
+        }
         row_sum(mi) *= scores_scale(mi);
       }
     }
@@ -154,6 +172,18 @@ struct Softmax {
       row_sum(mi) = empty ? -INFINITY : row_max(mi) * (softmax_scale_log2 * float(M_LN2)) + __logf(sum);
     }
     return scores_scale;
+  }
+
+  // rescale_o, skipped by a warp whose rows all kept their max (kLazyRescale): every factor is then 1.
+  template <class Tensor1>
+  __device__ __forceinline__ void rescale_o_if_changed(Tensor1& acc_o, TensorT const& scores_scale) {
+    if constexpr (kLazyRescale) {
+      bool changed = false;
+      CUTLASS_PRAGMA_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) { changed |= scores_scale(mi) != 1.f; }
+      if (!__any_sync(0xffffffffu, changed)) { return; }
+    }
+    rescale_o(acc_o, scores_scale);
   }
 
   // acc_o(row, :) *= scores_scale(row).
