@@ -24,20 +24,27 @@ from variant_builds import apply_setting, build_ops, parse_settings, setting_nam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from gpu_helpers import poison_allocator, rounding_noise  # noqa: E402
+from test_forward_gpu import row_max_staircase  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv): odd lengths, seqlen_q != seqlen_k, GQA and MQA.
 SHAPES = [(2, 1, 1, 4, 4), (1, 7, 7, 2, 1), (2, 113, 113, 4, 2), (1, 1000, 1000, 8, 2), (1, 2049, 2049, 2, 2),
           (2, 113, 1000, 4, 4), (1, 1000, 113, 4, 1), (3, 512, 512, 8, 8)]
+# Inputs whose row maxima move between key blocks by chosen steps (tests/test_forward_gpu.py's
+# row_max_staircase) instead of Gaussian ones: the online softmax's max update on every path.
+STAIRCASE = (1, 500, 1000, 4, 4)
 
 
-def check_case(fwd, dtype, headdim, causal, shape, seq_contiguous_v, seed):
+def check_case(fwd, dtype, headdim, causal, shape, seq_contiguous_v, seed, staircase=False):
     batch, seqlen_q, seqlen_k, nheads, nheads_kv = shape
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", generator=gen)
-    k = torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=gen)
-    v = torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=gen)
     scale = 1 / math.sqrt(headdim)
+    if staircase:
+        q, k, v = row_max_staircase(batch, seqlen_q, seqlen_k, nheads, headdim, scale, seed)
+    else:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", generator=gen)
+        k = torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=gen)
+        v = torch.randn(batch, seqlen_k, nheads_kv, headdim, device="cuda", generator=gen)
     fp8_call = dtype == torch.float8_e4m3fn
     if fp8_call:
         q, k, v, qd, kd, vd = fp8.quantize_qkv(q.bfloat16(), k.bfloat16(), v.bfloat16())
@@ -90,12 +97,14 @@ def main():
             apply_setting(setting, settings)
             cases = bad = 0
             for kern in kernels:
-                for shape_idx, shape in enumerate(SHAPES):
+                for shape_idx, shape in enumerate(SHAPES + [STAIRCASE]):
                     if kern["dtype"] == "e4m3" and shape[1] * shape[2] * shape[3] > 2_000_000:
                         continue  # the float64 emulation of the largest shapes takes minutes
                     cases += 1
+                    staircase = shape_idx == len(SHAPES)
                     why = check_case(ns.fwd, DTYPES[kern["dtype"]], kern["headdim"], kern["causal"], shape,
-                                     name in seq_contiguous_v, seed=shape_idx)
+                                     name in seq_contiguous_v, seed=shape_idx, staircase=staircase)
+                    shape = "staircase" if staircase else shape
                     if why is not None:
                         bad += 1
                         print(f"FAIL {name} [{setting_name(setting)}] {kern['dtype']} d{kern['headdim']} "

@@ -73,6 +73,18 @@ def _check(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale=No
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("headdim", HEADDIMS)
+def test_fp8_row_max_moving_across_blocks(headdim, causal):
+    """Row maxima that move between key blocks by steps around FP8's tighter limits (P may not pass 448)."""
+    from test_forward_gpu import row_max_staircase
+
+    scale = 1 / math.sqrt(headdim)
+    q, k, v = row_max_staircase(1, 500, 1000, 4, headdim, scale, seed=headdim + causal)
+    q8, k8, v8, qd, kd, vd = fp8.quantize_qkv(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    _check(q8, k8, v8, qd, kd, vd, causal, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", HEADDIMS)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
 @pytest.mark.parametrize("nheads,nheads_kv", HEADS)
 def test_fp8_forward_matches_reference(seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal):
