@@ -110,13 +110,14 @@ struct FwdConfig {
   // +5%), FP8 and d128 3-6% slower (perf-notes sections 19 and 21).
   // O rescaled only where a row's max moved by more than softmax.h's kLazyThreshold (Softmax::kLazyRescale).
   // It pays where O's rescale is largest against the rest of a step: 16-bit d256 +2-5% in both masks, FP8 causal
-  // d128 and d256 +0.4-3.4%. 16-bit d64 and d128 lose 1-4% (the vote and the branch cost more than 32-64 FMULs),
-  // FP8 non-causal d128 5% at 2k (perf-notes section 45).
+  // d128 +2-4% and d256 (V transposed) -1% to +3%. 16-bit d64 and d128 lose 1-4% (the vote and the branch cost
+  // more than 32-64 FMULs), FP8 non-causal d128 5% at 2k, FP8 causal d256 with column-major V 1-3%, whose quad
+  // exchange of P already fills the step (perf-notes section 45).
 #ifdef FLASH_EXT_LAZY_RESCALE  // variant builds (A/B)
   static constexpr bool kLazyRescale = FLASH_EXT_LAZY_RESCALE;
 #else
   static constexpr bool kLazyRescale =
-      kIsFp8 ? kIsCausal && (kHeadDim == 128 || kHeadDim == 256) : kHeadDim == 256;
+      kIsFp8 ? kIsCausal && !kVColMajor && (kHeadDim == 128 || kHeadDim == 256) : kHeadDim == 256;
 #endif
 #ifdef FLASH_EXT_SOFTMAX_UNDER_GEMM1  // variant builds (A/B)
   static constexpr bool kSoftmaxUnderGemm1 = FLASH_EXT_SOFTMAX_UNDER_GEMM1;
