@@ -204,7 +204,14 @@ def test_fp8_v_colmajor(seqlen_q, seqlen_k, headdim, causal):
                                                 v_colmajor=True)
     assert v_colmajor.stride(1) == 1 and v_colmajor.stride(-1) != 1
     out_cm, lse_cm = _check(q8, k8, v_colmajor, q_d, k_d, v_d, causal=causal)
-    out, lse = flash_ext.forward(q8, k8, v_colmajor.contiguous(), causal=causal, q_descale=q_d, k_descale=k_d,
-                                 v_descale=v_d)
-    assert torch.equal(lse_cm, lse)  # S and the softmax statistics do not depend on V's layout
-    assert (out_cm.float() - out.float()).abs().max().item() <= 2e-2 * out.float().abs().max().item()
+    if causal and headdim == 256:
+        # The row-major causal d256 kernel rescales O lazily and the column-major one eagerly (tile_size.h's
+        # kLazyRescale): a row's P may be scaled by up to 2^0.75 more before its e4m3 rounding, and its LSE
+        # comes from another max. Both calls are held to the error rule; the LSEs agree to fp32 rounding.
+        out, lse = _check(q8, k8, v_colmajor.contiguous(), q_d, k_d, v_d, causal=causal)
+        torch.testing.assert_close(lse_cm, lse, rtol=0, atol=1e-5)
+    else:
+        out, lse = flash_ext.forward(q8, k8, v_colmajor.contiguous(), causal=causal, q_descale=q_d, k_descale=k_d,
+                                     v_descale=v_d)
+        assert torch.equal(lse_cm, lse)  # S and the softmax statistics do not depend on V's layout
+        assert (out_cm.float() - out.float()).abs().max().item() <= 2e-2 * out.float().abs().max().item()
