@@ -102,8 +102,8 @@ struct Softmax {
   using TensorT = decltype(make_tensor<float>(Shape<Int<kNRows>>{}));
   TensorT row_max, row_sum;
   float const softmax_scale_log2;
-  // 16-bit P may grow to 2^8 (fp32 sums and bf16/fp16 P hold it exactly as well); FP8 P, already scaled by
-  // 2^kMaxOffset, may not pass e4m3's largest value, 448 = 2^8.8.
+  // 16-bit P may grow to 2^8 (bf16/fp16 P and the fp32 sums keep their relative precision there); FP8 P,
+  // already scaled by 2^kMaxOffset, may not pass e4m3's largest value, 448 = 2^8.8.
   static constexpr float kLazyThreshold = kMaxOffset > 0 ? 0.75f : 8.f;
   static_assert(kMaxOffset <= 8, "P's largest value with the lazy threshold must stay within e4m3's range");
 

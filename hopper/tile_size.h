@@ -108,6 +108,11 @@ struct FwdConfig {
   // (GEMM1's wait made to follow the exponentials; ptxas otherwise issues it first: perf-notes section 19).
   // 16-bit d256 non-causal: +0-6% from 512 to 16k; d192 non-causal 2-8% slower, d256 causal mixed (-3% to
   // +5%), FP8 and d128 3-6% slower (perf-notes sections 19 and 21).
+#ifdef FLASH_EXT_SOFTMAX_UNDER_GEMM1  // variant builds (A/B)
+  static constexpr bool kSoftmaxUnderGemm1 = FLASH_EXT_SOFTMAX_UNDER_GEMM1;
+#else
+  static constexpr bool kSoftmaxUnderGemm1 = !kIsFp8 && kHeadDim == 256 && !kIsCausal;
+#endif
   // O rescaled only where a row's max moved by more than softmax.h's kLazyThreshold (Softmax::kLazyRescale).
   // It pays where O's rescale is largest against the rest of a step: 16-bit d256 +2-5% in both masks, FP8 causal
   // d128 +2-4% and d256 (V transposed) -1% to +3%. 16-bit d64 and d128 lose 1-4% (the vote and the branch cost
@@ -118,11 +123,6 @@ struct FwdConfig {
 #else
   static constexpr bool kLazyRescale =
       kIsFp8 ? kIsCausal && !kVColMajor && (kHeadDim == 128 || kHeadDim == 256) : kHeadDim == 256;
-#endif
-#ifdef FLASH_EXT_SOFTMAX_UNDER_GEMM1  // variant builds (A/B)
-  static constexpr bool kSoftmaxUnderGemm1 = FLASH_EXT_SOFTMAX_UNDER_GEMM1;
-#else
-  static constexpr bool kSoftmaxUnderGemm1 = !kIsFp8 && kHeadDim == 256 && !kIsCausal;
 #endif
 };
 
