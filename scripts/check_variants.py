@@ -23,14 +23,13 @@ from flash_ext.reference import attention_fp8_emulation, attention_lowp, attenti
 from variant_builds import apply_setting, build_ops, parse_settings, setting_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from gpu_helpers import poison_allocator, rounding_noise  # noqa: E402
-from test_forward_gpu import row_max_staircase  # noqa: E402
+from gpu_helpers import poison_allocator, rounding_noise, row_max_staircase  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv): odd lengths, seqlen_q != seqlen_k, GQA and MQA.
 SHAPES = [(2, 1, 1, 4, 4), (1, 7, 7, 2, 1), (2, 113, 113, 4, 2), (1, 1000, 1000, 8, 2), (1, 2049, 2049, 2, 2),
           (2, 113, 1000, 4, 4), (1, 1000, 113, 4, 1), (3, 512, 512, 8, 8)]
-# Inputs whose row maxima move between key blocks by chosen steps (tests/test_forward_gpu.py's
+# Inputs whose row maxima move between key blocks by chosen steps (tests/gpu_helpers.py's
 # row_max_staircase) instead of Gaussian ones: the online softmax's max update on every path.
 STAIRCASE = (1, 500, 1000, 4, 4)
 

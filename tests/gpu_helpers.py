@@ -1,5 +1,6 @@
-"""Helpers shared by the GPU tests: poisoned output memory, the rounding-noise term of the error rule, and
-the rule itself for the forward's out and lse and the backward's gradients."""
+"""Helpers shared by the GPU tests (and scripts/check_variants.py): poisoned output memory, the rounding-noise
+term of the error rule, the rule itself for the forward's out and lse and the backward's gradients, and inputs
+whose row maxima move between key blocks by chosen steps."""
 import math
 
 import torch
@@ -50,3 +51,31 @@ def assert_lse_matches(lse, lse_ref, tol):
         lse_err = (lse.double()[finite] - lse_ref[finite]).abs().max().item()
         assert lse_err <= tol, f"lse error {lse_err:.3e} > {tol:.1e}"
     return finite
+
+
+def row_max_staircase(batch, seqlen_q, seqlen_k, nheads, headdim, softmax_scale, seed):
+    """q, k, v (float32) whose scores' row maxima move between key blocks by chosen amounts: every query of a
+    head leans on one direction e, and key j on it by t_j, so that S_ij ~ t_j * |e|^2. The mainloop walks the
+    key blocks last first; t rises towards the first keys, so each block raises the row max. In log2 units of
+    the softmax: head 0 rises by 4 over all keys (about 0.5 per 128-key block: below FP8's lazy-rescale
+    threshold), head 1 by 50 (about 6 per block: below 16-bit's), heads 2 and up by a staircase of steps 0.3,
+    0.7, 0.8, 2, 7.9, 8.1 and 20 every 112 keys (head 3 at half those). Exercises every path of the online
+    softmax's max update, a lazy rescale's included where the build has one."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    e = torch.randn(nheads, headdim, device="cuda", generator=gen)
+    e = e / e.norm(dim=-1, keepdim=True)
+    back = (seqlen_k - 1 - torch.arange(seqlen_k, device="cuda")).float()  # distance from the last key
+    log2_unit = 1.0 / (softmax_scale * math.log2(math.e))  # the score change that moves exp2's argument by 1
+    steps = torch.tensor([0.3, 0.7, 0.8, 2.0, 7.9, 8.1, 20.0], device="cuda")
+    stair = torch.cumsum(steps.repeat(seqlen_k // (112 * len(steps)) + 1), 0)
+    t = torch.empty(nheads, seqlen_k, device="cuda")
+    for h in range(nheads):
+        if h < 2:
+            t[h] = back / seqlen_k * (4.0 if h == 0 else 50.0) * log2_unit
+        else:
+            t[h] = stair[back.long() // 112] * log2_unit * (0.5 if h % 2 else 1.0)
+    noise = lambda *shape: 0.05 * torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+    q = e.expand(batch, seqlen_q, nheads, headdim) + noise(batch, seqlen_q, nheads, headdim)
+    k = t.t()[None, :, :, None] * e[None, None] + noise(batch, seqlen_k, nheads, headdim)
+    v = torch.randn(batch, seqlen_k, nheads, headdim, device="cuda", generator=gen)
+    return q, k, v

@@ -44,14 +44,13 @@ def test_wrong_rank_in_fake_as_in_op(shape, op):
 
     q, k, v = qkv()
     bad = torch.randn(shape).half()
+    expected = r"q must have 4 dims \(batch, seqlen, nheads, headdim\), got \d dims with shape \("
     if op == "fwd":
         def call(q_):
             return torch.ops.flash_ext.fwd(q_, k, v, 0.125, False)
-        expected = r"q must have 4 dims \(batch, seqlen, nheads, headdim\), got \d dims with shape \("
     elif op == "decode":
         def call(q_):
             return torch.ops.flash_ext.decode(q_, k, v, None, None, None, None, None, 0.125, False)
-        expected = r"q must have 4 dims \(batch, seqlen, nheads, headdim\), got \d dims with shape \("
     else:
         if not flash_ext.ops.has_varlen_ops():
             pytest.skip("this build has no varlen ops")

@@ -14,7 +14,7 @@ import torch
 import flash_ext
 from flash_ext import fp8
 from flash_ext.reference import attention_fp8_emulation, attention_ref
-from gpu_helpers import poison_allocator, rounding_noise
+from gpu_helpers import poison_allocator, rounding_noise, row_max_staircase
 
 pytestmark = pytest.mark.gpu
 
@@ -75,8 +75,6 @@ def _check(q8, k8, v8, q_descale, k_descale, v_descale, causal, softmax_scale=No
 @pytest.mark.parametrize("headdim", HEADDIMS)
 def test_fp8_row_max_moving_across_blocks(headdim, causal):
     """Row maxima that move between key blocks by steps around FP8's tighter limits (P may not pass 448)."""
-    from test_forward_gpu import row_max_staircase
-
     scale = 1 / math.sqrt(headdim)
     q, k, v = row_max_staircase(1, 500, 1000, 4, headdim, scale, seed=headdim + causal)
     q8, k8, v8, qd, kd, vd = fp8.quantize_qkv(q.bfloat16(), k.bfloat16(), v.bfloat16())
