@@ -127,7 +127,8 @@ struct FwdEpilogue {
     }
 
     // This thread's store: the tile's, or its warpgroup's rows.
-    int const store_idx = thread_idx / kStoreThreads, store_thread = thread_idx % kStoreThreads;
+    int const store_idx = kPerWarpgroup ? thread_idx / kStoreThreads : 0;
+    int const store_thread = kPerWarpgroup ? thread_idx % kStoreThreads : thread_idx;
     Tensor sO = make_tensor(make_smem_ptr(smem_o + store_idx * int(cosize_v<SmemLayoutO>)), SmemLayoutO{});
     auto smem_tiled_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, ElementOut>{}, TiledMmaStore{});
     auto smem_thread_copy_o = smem_tiled_copy_o.get_thread_slice(store_thread);

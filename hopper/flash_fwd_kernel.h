@@ -239,7 +239,7 @@ struct FwdKernel {
     return {Mainloop::to_params(p, packed), Epilogue::to_params(p, packed), Policy::scheduler(p)};
   }
 
-  CUTE_DEVICE static void run(Params const& params, char* smem) {
+  __device__ static void run(Params const& params, char* smem) {
     using PipelineKV = typename Mainloop::PipelineKV;
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
     Scheduler const& scheduler = params.scheduler;
@@ -364,10 +364,7 @@ struct FwdKernel {
         }
       };
       // One tile whose Q has landed.
-      // The lambdas that hold GEMMs are forced inline: an outlined call serializes the wgmma pipeline across it and
-      // puts the captures in local memory (ptxas outlined compute_tile, called once per softcap case, at FP8 d128).
-      auto compute_tile = [&](TileCoord const& tile, SeqInfo const& seq, int iteration, auto softcapped)
-                              __attribute__((always_inline)) {
+      auto compute_tile = [&](TileCoord const& tile, SeqInfo const& seq, int iteration, auto softcapped) {
         // The thread index read again per tile: ptxas otherwise hoists per-thread offsets out of the tile
         // loop and spills them (d128 non-causal, 8 bytes).
         int const tidx = kPersistent ? opaque_thread_idx() : thread_idx;
@@ -404,7 +401,7 @@ struct FwdKernel {
       // descriptors in the softcap path, d256 non-causal spilled 40 bytes and d192 causal's persistent form
       // got a 608-byte stack frame.
       static constexpr bool kSoftcapCompiledApart = Config::kNumMmaWarpGroups == 2 && Config::kHeadDim <= 128;
-      auto run_tile = [&](TileCoord const& tile, SeqInfo const& seq, int iteration) __attribute__((always_inline)) {
+      auto run_tile = [&](TileCoord const& tile, SeqInfo const& seq, int iteration) {
         bool const softcap = params.mainloop.scales.softcap_pre_scale > 0.f;
         if constexpr (kSoftcapCompiledApart) {
           if (softcap) {
@@ -421,6 +418,8 @@ struct FwdKernel {
       // the next tile's first GEMM0 (its Q in the other buffer), in one ping-pong turn; the tile's O is finalized
       // and stored by the warpgroup while that GEMM0 runs; the turns run on across tiles. (16-bit: one softmax
       // scale for every tile.)
+      // Forced inline: called once per softcap case, and an outlined call would serialize the wgmma pipeline and put
+      // the captures in local memory.
       auto run_chained = [&](auto softcapped) __attribute__((always_inline)) {
         struct TileState {
           TileCoord tile;
@@ -478,7 +477,7 @@ struct FwdKernel {
                            softcapped, q_read(iteration + 1));
           } else {
             if (cur.has_keys()) {
-              wg.template last_gemm1</*kHoldLastV=*/false>(tOrO);
+              wg.last_gemm1(tOrO);
             } else {
               q_read(iteration)();
               softmax.reset();

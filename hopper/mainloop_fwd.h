@@ -428,9 +428,10 @@ struct FwdMainloop {
   // O staged over V's stages (see load): the thread that issued the store, once the store has read them.
   __device__ static void release_o_over_v(BarrierStorage& barriers) { barriers.barrier_o_read.arrive(); }
 
-  // One consumer warpgroup's GEMMs and online softmax over a stream of K/V blocks: one tile (mma), or a
-  // persistent CTA's tiles back to back (Config::kChainTiles: FwdKernel's tile loop calls the parts). Holds S and
-  // P from block to block, and from one tile to the next when chained. softcap_pre_scale is the tile's
+  // Chained tiles (Config::kChainTiles): one consumer warpgroup's GEMMs and online softmax over a persistent CTA's
+  // tiles back to back, in parts that FwdKernel's tile loop calls; S and P are held from one tile to the next. The
+  // parts follow mma's order of operations. (mma keeps its own code: built from these parts, ptxas scheduled the
+  // d128 step loop differently, and the one-CTA d128 non-causal kernel lost 4% at 8k keys: perf-notes section 46.) softcap_pre_scale is the tile's
   // (TileScales); `softcap` says whether to apply it: a bool, or cute::true_type / false_type where the kernel
   // compiles the two cases apart. q_read() is called by every thread once its warpgroup's last GEMM0 of the tile
   // is complete (Q is no longer read).
@@ -494,54 +495,50 @@ struct FwdMainloop {
       first_scores(tile, band, n_block_max - 1, softmax, softcap_pre_scale, softcapped);
     }
 
-    // One block of other_blocks. (A member function rather than a lambda, so that it is inlined: ptxas must see
-    // the GEMMs and their waits in one function, or it injects waits of its own.)
-    template <bool kMasked, class FragQ, class FragK, class FragV, class FragO, class SoftmaxT, class MaskT, class QRead>
-    CUTE_DEVICE void step_block(FragQ const& tSrQ, FragK const& tSrK, FragV const& tOrV, FragO& tOrO, SoftmaxT& softmax,
-                                MaskT const& mask, int m_block, int n_block, int n_block_min, bool softcap,
-                                float softcap_pre_scale, QRead& q_read) {
-      PipelineKV& pipeline_k = pipelines.k;
-      PipelineGemmV& pipeline_v = pipelines.gemm_v();
-      TiledMmaQK tiled_mma_qk;
-      TiledMmaPV tiled_mma_pv;
-      pipeline_k.consumer_wait(read_k);
-      scheduler.wait_turn();
-      warpgroup_gemm<-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
-      pipeline_v.consumer_wait(read_v);
-      warpgroup_gemm<-1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO, zero_init_o);
-      scheduler.pass_turn();
-      warpgroup_wait<1>();  // S is ready; GEMM1 still runs
-      warpgroup_fence_operand(tSrS);
-      pipeline_k.consumer_release(read_k);
-      ++read_k;
-      if (n_block == n_block_min) { q_read(); }
-      if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
-      if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kBandMask=*/true>(tSrS, m_block, n_block); }
-      auto scores_scale = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
-      softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
-      if constexpr (Config::kSoftmaxUnderGemm1) { warpgroup_wait_all_after(softmax.row_sum); }
-      warpgroup_wait<0>();  // GEMM1 done: O can be rescaled and P overwritten
-      warpgroup_fence_operand(tOrO);
-      pipeline_v.consumer_release(read_v);
-      ++read_v;
-      softmax.rescale_o_if_changed(tOrO, scores_scale);
-      convert_p(tSrS, tOrP);
-      zero_init_o = false;
-    }
-
     // The tile's other blocks, in the warpgroups' turns: GEMM0 of block n issued with GEMM1 of block n + 1, so
     // that the softmax of block n runs while GEMM1 is still on the tensor cores.
     template <class FragO, class SoftmaxT, class Softcapped, class QRead>
     CUTE_DEVICE void other_blocks(int q_stage, TileCoord const& tile, Band const& band, int n_block_min, int n_block_max,
                                  FragO& tOrO, SoftmaxT& softmax, float softcap_pre_scale, Softcapped softcapped,
                                  QRead&& q_read) {
+      PipelineKV& pipeline_k = pipelines.k;
+      PipelineGemmV& pipeline_v = pipelines.gemm_v();
       BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{band};
       int const m_block = tile.block;
       Tensor tSrQ = frag_q(q_stage);
       Tensor tSrK = frag_k();
       Tensor tOrV = frag_vt();
+      TiledMmaQK tiled_mma_qk;
+      TiledMmaPV tiled_mma_pv;
       Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, band);
       bool const softcap = bool(softcapped);
+      // Forced inline: ptxas must see the GEMMs and their waits in one function, or it injects waits of its own.
+      auto step = [&](int n_block, auto masked) __attribute__((always_inline)) {
+        constexpr bool kMasked = decltype(masked)::value;
+        pipeline_k.consumer_wait(read_k);
+        scheduler.wait_turn();
+        warpgroup_gemm<-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
+        pipeline_v.consumer_wait(read_v);
+        warpgroup_gemm<-1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO, zero_init_o);
+        scheduler.pass_turn();
+        warpgroup_wait<1>();  // S is ready; GEMM1 still runs
+        warpgroup_fence_operand(tSrS);
+        pipeline_k.consumer_release(read_k);
+        ++read_k;
+        if (n_block == n_block_min) { q_read(); }
+        if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
+        if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kBandMask=*/true>(tSrS, m_block, n_block); }
+        auto scores_scale = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
+        softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
+        if constexpr (Config::kSoftmaxUnderGemm1) { warpgroup_wait_all_after(softmax.row_sum); }
+        warpgroup_wait<0>();  // GEMM1 done: O can be rescaled and P overwritten
+        warpgroup_fence_operand(tOrO);
+        pipeline_v.consumer_release(read_v);
+        ++read_v;
+        softmax.rescale_o_if_changed(tOrO, scores_scale);
+        convert_p(tSrS, tOrP);
+        zero_init_o = false;
+      };
 
       int n_block = n_block_max - 2;
       if constexpr (kIsCausal) {
@@ -551,35 +548,27 @@ struct FwdMainloop {
         int const unmasked_end = max(n_block_min, blocks.n_block_left_unmasked(m_block));
 #pragma unroll 1
         for (int pass = 0; pass < 2; ++pass) {
-          for (; n_block >= masked_end; --n_block) {
-            step_block<true>(tSrQ, tSrK, tOrV, tOrO, softmax, mask, m_block, n_block, n_block_min, softcap, softcap_pre_scale, q_read);
-          }
-          for (; n_block >= unmasked_end; --n_block) {
-            step_block<false>(tSrQ, tSrK, tOrV, tOrO, softmax, mask, m_block, n_block, n_block_min, softcap, softcap_pre_scale, q_read);
-          }
+          for (; n_block >= masked_end; --n_block) { step(n_block, cute::true_type{}); }
+          for (; n_block >= unmasked_end; --n_block) { step(n_block, cute::false_type{}); }
           masked_end = n_block_min;
         }
       } else {
-        for (; n_block >= 0; --n_block) {
-          step_block<false>(tSrQ, tSrK, tOrV, tOrO, softmax, mask, m_block, n_block, n_block_min, softcap, softcap_pre_scale, q_read);
-        }
+        for (; n_block >= 0; --n_block) { step(n_block, cute::false_type{}); }
       }
     }
 
-    // GEMM1 of the tile's last block, waited for. With kHoldLastV consumer thread 0 keeps the V stage it read
-    // (the epilogue stages O there) until release_v_stage.
-    template <bool kHoldLastV, class FragO>
+    // GEMM1 of the tile's last block, waited for (a tile followed by none, or by one that sees no key).
+    template <class FragO>
     CUTE_DEVICE void last_gemm1(FragO& tOrO) {
       PipelineGemmV& pipeline_v = pipelines.gemm_v();
       TiledMmaPV tiled_mma_pv;
       pipeline_v.consumer_wait(read_v);
       warpgroup_gemm<0>(tiled_mma_pv, tOrP, frag_vt()(_, _, _, read_v.index()), tOrO, zero_init_o);
-      // The stage is free once every consumer thread has arrived; thread 0's arrival can wait for O's store.
-      if (!kHoldLastV || thread_idx != 0) { pipeline_v.consumer_release(read_v); }
+      pipeline_v.consumer_release(read_v);
       ++read_v;
     }
 
-    // Chained tiles, in one turn: GEMM1 of this tile's last block, then GEMM0 of the next tile's first block (Q
+    // In one turn: GEMM1 of this tile's last block, then GEMM0 of the next tile's first block (Q
     // buffer `next_q_stage`). Returns once GEMM1 is complete (O may be finalized and stored while GEMM0 runs);
     // next_scores then waits for S.
     template <class FragO>
@@ -610,20 +599,109 @@ struct FwdMainloop {
     }
   };
 
-  // Computes the un-normalised O of one tile into tOrO and leaves the softmax state ready for finalize.
-  // Requires n_block_max > n_block_min and Q in shared memory (wait_q; Q buffer 0: kernels that do not chain
-  // tiles have one, and one CTA per tile uses the first). kHoldLastV: see last_gemm1.
+  // Computes the un-normalised O of one tile into tOrO and leaves the softmax state ready for finalize (kernels that
+  // do not chain tiles). Requires n_block_max > n_block_min and Q in shared memory (wait_q; Q buffer 0). With kHoldLastV consumer thread 0
+  // keeps the V stage the last GEMM1 read (the epilogue stages O there) until release_v_stage. softcap_pre_scale
+  // is the tile's (TileScales); `softcapped` says whether to apply it: a bool, or cute::true_type /
+  // false_type where the kernel compiles the two cases apart. q_read() is called by every thread once its
+  // warpgroup's last GEMM0 of the tile is complete (Q is no longer read).
   template <bool kHoldLastV, class FragO, class SoftmaxT, class Softcapped, class QRead>
-  CUTE_DEVICE static void mma(Params const& params, TensorStorage& tensors, Pipelines& pipelines,
+  __device__ static void mma(Params const& params, TensorStorage& tensors, Pipelines& pipelines,
                              PipelineState& read_k, PipelineStateV& read_v, TileCoord const& tile, Band const& band,
                              int n_block_min, int n_block_max, int thread_idx, FragO& tOrO, SoftmaxT& softmax,
                              float softcap_pre_scale, Softcapped softcapped, QRead&& q_read) {
-    WarpgroupMma wg(params, tensors, pipelines, read_k, read_v, thread_idx);
-    wg.first_block(0, tile, band, n_block_min, n_block_max, softmax, softcap_pre_scale, softcapped, q_read);
-    wg.scheduler.start();
-    wg.other_blocks(0, tile, band, n_block_min, n_block_max, tOrO, softmax, softcap_pre_scale, softcapped, q_read);
-    wg.scheduler.finish();
-    wg.last_gemm1<kHoldLastV>(tOrO);
+    PipelineKV& pipeline_k = pipelines.k;
+    PipelineGemmV& pipeline_v = pipelines.gemm_v();
+    BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{band};
+    int const m_block = tile.block;
+    Tensor sQ = make_tensor(make_smem_ptr(smem_q(tensors, 0)), SmemLayoutQ{});  // one CTA per tile: buffer 0
+    Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem_vt(tensors)), SmemLayoutVt{});
+
+    TiledMmaQK tiled_mma_qk;
+    TiledMmaPV tiled_mma_pv;
+    auto thread_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
+    auto thread_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+    Tensor tSrQ = thread_mma_qk.partition_fragment_A(sQ);    // descriptors
+    Tensor tSrK = thread_mma_qk.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = thread_mma_pv.partition_fragment_B(sVt);   // (MMA, MMA_N, MMA_K, stages)
+    Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeMNK{}));
+    // P in the input type, laid out as GEMM1's register A operand.
+    Tensor tOrP = make_tensor<Element>(acc_layout_to_a_regs<Element>(tSrS.layout()));
+
+    Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, band);
+    // Softcap's tanh comes before the mask (-inf stays -inf) and the softmax: a uniform branch, or none where
+    // `softcapped` is a compile-time constant.
+    bool const softcap = bool(softcapped);
+    WarpgroupScheduler<kNumMmaWarpGroups> scheduler(thread_idx / cutlass::NumThreadsPerWarpGroup,
+                                                    Config::kPingPong && params.pingpong);
+
+    // First block (the last in key order): the only one that can be partial in seqlen_k.
+    int n_block = n_block_max - 1;
+    pipeline_k.consumer_wait(read_k);
+    warpgroup_gemm<0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
+    pipeline_k.consumer_release(read_k);
+    ++read_k;
+    if (n_block == n_block_min) { q_read(); }
+    if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
+    mask.template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, m_block, n_block);
+    softmax.template max_get_scale</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
+    softmax.template online_softmax</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
+    convert_p(tSrS, tOrP);
+
+    bool zero_init_o = true;  // the first GEMM1 writes O instead of accumulating
+    // One K/V block with GEMM0 of block n overlapping GEMM1 of block n + 1.
+    auto step = [&](int n_block, auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
+      pipeline_k.consumer_wait(read_k);
+      scheduler.wait_turn();
+      warpgroup_gemm<-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
+      pipeline_v.consumer_wait(read_v);
+      warpgroup_gemm<-1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO, zero_init_o);
+      scheduler.pass_turn();
+      warpgroup_wait<1>();  // S is ready; GEMM1 still runs
+      warpgroup_fence_operand(tSrS);
+      pipeline_k.consumer_release(read_k);
+      ++read_k;
+      if (n_block == n_block_min) { q_read(); }
+      if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
+      if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kBandMask=*/true>(tSrS, m_block, n_block); }
+      auto scores_scale = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
+      softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
+      if constexpr (Config::kSoftmaxUnderGemm1) { warpgroup_wait_all_after(softmax.row_sum); }
+      warpgroup_wait<0>();  // GEMM1 done: O can be rescaled and P overwritten
+      warpgroup_fence_operand(tOrO);
+      pipeline_v.consumer_release(read_v);
+      ++read_v;
+      softmax.rescale_o_if_changed(tOrO, scores_scale);
+      convert_p(tSrS, tOrP);
+      zero_init_o = false;
+    };
+
+    --n_block;
+    scheduler.start();
+    if constexpr (kIsCausal) {
+      // The blocks crossing the band's right edge, those inside it, then those crossing its left edge: two
+      // passes over one masked and one unmasked loop, so that each kind of step is compiled once.
+      int masked_end = max(n_block_min, blocks.n_block_right_masked(m_block));
+      int const unmasked_end = max(n_block_min, blocks.n_block_left_unmasked(m_block));
+#pragma unroll 1
+      for (int pass = 0; pass < 2; ++pass) {
+        for (; n_block >= masked_end; --n_block) { step(n_block, cute::true_type{}); }
+        for (; n_block >= unmasked_end; --n_block) { step(n_block, cute::false_type{}); }
+        masked_end = n_block_min;
+      }
+    } else {
+      for (; n_block >= 0; --n_block) { step(n_block, cute::false_type{}); }
+    }
+    scheduler.finish();
+
+    // GEMM1 of the last block.
+    pipeline_v.consumer_wait(read_v);
+    warpgroup_gemm<0>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO, zero_init_o);
+    // The stage is free once every consumer thread has arrived; thread 0's arrival can wait for O's store.
+    if (!kHoldLastV || thread_idx != 0) { pipeline_v.consumer_release(read_v); }
+    ++read_v;
   }
 
   // P from GEMM0's accumulator in GEMM1's A-operand registers: FP8 in the key order of transpose_v.h, or in the
