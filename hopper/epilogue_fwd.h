@@ -7,6 +7,8 @@
 // own, waited for at the next tile's store, or one the mainloop lends until the store has read it, V's last
 // stage, which the kernel hands back itself); staged in a buffer the mainloop no longer needs, in a CTA that
 // computes one tile (kTmaWaited: Q's, which no GEMM reads once the tile's last S is computed; FP8 uses V^T's);
+// staged in a buffer of its own and stored by each warpgroup for its 64 rows, with no barrier across warpgroups
+// (kTmaPerWarpgroup: chained tiles, whose warpgroups reach a tile's end at different times);
 // or written by each thread (kDirect: 16-byte stores of 8 adjacent columns after a transpose across the quad,
 // bounds checked per row and column; persistent kernels with no buffer to spare). Q's buffer is the
 // mainloop's business: persistent kernels release it after each warpgroup's last GEMM0 of the tile.
@@ -26,23 +28,33 @@ namespace flash {
 
 using namespace cute;
 
-enum class OStore { kTmaWaited, kTmaAsync, kDirect };
+enum class OStore { kTmaWaited, kTmaAsync, kTmaPerWarpgroup, kDirect };
 
 template <class ElementOut, int kBlockM, int kHeadDim, class TiledMmaPV, int kNumMmaThreads, OStore kOStore>
 struct FwdEpilogue {
-  static constexpr bool kAsyncStore = kOStore == OStore::kTmaAsync;
+  static constexpr bool kPerWarpgroup = kOStore == OStore::kTmaPerWarpgroup;
+  static constexpr bool kAsyncStore = kOStore == OStore::kTmaAsync || kPerWarpgroup;
   static constexpr bool kDirect = kOStore == OStore::kDirect;
   using TileShapeMD = Shape<Int<kBlockM>, Int<kHeadDim>>;
-  using SmemLayoutO = decltype(smem_layout_k_major<ElementOut>(TileShapeMD{}));
-  static constexpr int kSmemBytes = int(cosize_v<SmemLayoutO> * sizeof(ElementOut));
+  // What one TMA store writes: the tile, or a warpgroup's 64 rows of it (kPerWarpgroup), each with its own
+  // layout in the buffer.
+  static constexpr int kStoreRows = kPerWarpgroup ? 64 : kBlockM;
+  static constexpr int kStoresPerTile = kBlockM / kStoreRows;
+  using StoreShape = Shape<Int<kStoreRows>, Int<kHeadDim>>;
+  using SmemLayoutO = decltype(smem_layout_k_major<ElementOut>(StoreShape{}));
+  static constexpr int kSmemBytes = int(cosize_v<SmemLayoutO> * kStoresPerTile * sizeof(ElementOut));
+  static constexpr int kStoreThreads = kPerWarpgroup ? cutlass::NumThreadsPerWarpGroup : kNumMmaThreads;
+  // The MMA that partitions one store's rows among its threads.
+  using TiledMmaStore = std::conditional_t<
+      kPerWarpgroup, decltype(make_tiled_mma(typename TiledMmaPV::Atom{}, Layout<Shape<_1, _1, _1>>{})), TiledMmaPV>;
 
   // Part of the kernel's shared storage when O has a buffer of its own.
   struct TensorStorage {
-    alignas(1024) cute::array_aligned<ElementOut, cosize_v<SmemLayoutO>, 1024> smem_o;
+    alignas(1024) cute::array_aligned<ElementOut, cosize_v<SmemLayoutO> * kStoresPerTile, 1024> smem_o;
   };
 
   using GmemTensor = decltype(make_gmem_bshd(static_cast<ElementOut*>(nullptr), GmemShape{}, 0, 0, 0));
-  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutO{}, TileShapeMD{}, _1{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutO{}, StoreShape{}, _1{}));
 
   struct Params {
     GmemShape shape_o;
@@ -55,7 +67,7 @@ struct FwdEpilogue {
   static Params to_params(FwdParams const& p, SeqInfo const* packed) {
     auto const mO = make_gmem_rows<ElementOut>(p.o, p.seqlen_q, p.headdim, p.nheads, p.batch, p.varlen.enabled(),
                                                p.varlen.total_q);
-    return {mO.shape(), make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, TileShapeMD{}, _1{}), mO, p.lse,
+    return {mO.shape(), make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, StoreShape{}, _1{}), mO, p.lse,
             Sequences::make(p, packed)};
   }
 
@@ -114,27 +126,32 @@ struct FwdEpilogue {
       return;
     }
 
-    Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
-    auto smem_tiled_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, ElementOut>{}, TiledMmaPV{});
-    auto smem_thread_copy_o = smem_tiled_copy_o.get_thread_slice(thread_idx);
+    // This thread's store: the tile's, or its warpgroup's rows.
+    int const store_idx = kPerWarpgroup ? thread_idx / kStoreThreads : 0;
+    int const store_thread = kPerWarpgroup ? thread_idx % kStoreThreads : thread_idx;
+    Tensor sO = make_tensor(make_smem_ptr(smem_o + store_idx * int(cosize_v<SmemLayoutO>)), SmemLayoutO{});
+    auto smem_tiled_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, ElementOut>{}, TiledMmaStore{});
+    auto smem_thread_copy_o = smem_tiled_copy_o.get_thread_slice(store_thread);
     Tensor taccOrO = smem_thread_copy_o.retile_S(tOrO_out);
     Tensor taccOsO = smem_thread_copy_o.partition_D(sO);
+    uint32_t const barrier = kPerWarpgroup ? uint32_t(FwdNamedBarriers::kEpilogueWarpgroup0) + store_idx
+                                           : uint32_t(FwdNamedBarriers::kEpilogue);
 
     // An own buffer is free again once the previous tile's store has read it.
     if constexpr (kAsyncStore) {
-      if (thread_idx == 0) { tma_store_wait<0>(); }
+      if (store_thread == 0) { tma_store_wait<0>(); }
     }
     // The buffer is free (and, where it is Q's, every warpgroup is past its last GEMM0).
-    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
+    cutlass::arch::NamedBarrier::sync(kStoreThreads, barrier);
     copy(smem_tiled_copy_o, taccOrO, taccOsO);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA unit
 
     store_lse(params, tile, seq, coords_rc, lse);
 
-    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(FwdNamedBarriers::kEpilogue));
-    if (thread_idx == 0) {
+    cutlass::arch::NamedBarrier::sync(kStoreThreads, barrier);
+    if (store_thread == 0) {
       Tensor mO = sequence_slice(params.tma_o.get_tma_tensor(params.shape_o), params.seqs.q_rows(seq, tile.batch), tile.head);
-      Tensor gO = local_tile(mO, TileShapeMD{}, make_coord(m_block, _0{}));
+      Tensor gO = local_tile(mO, StoreShape{}, make_coord(m_block * kStoresPerTile + store_idx, _0{}));
       auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO, tOgO);
       tma_store_arrive();  // waited for at the next tile's store (kTmaAsync) or in finish()
@@ -170,7 +187,7 @@ struct FwdEpilogue {
 
   // Shared memory must outlive the TMA unit's reads of the last tile's O.
   __device__ static void finish(int thread_idx) {
-    if (!kDirect && thread_idx == 0) { tma_store_wait<0>(); }
+    if (!kDirect && thread_idx % kStoreThreads == 0) { tma_store_wait<0>(); }
   }
 };
 

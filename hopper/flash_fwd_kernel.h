@@ -197,9 +197,14 @@ struct FwdKernel {
   static constexpr bool kODirect = kPersistent && Policy::kODirect;
   static constexpr bool kOOverV = kPersistent && Policy::kOOverV;
   static constexpr bool kStageOInVt = !kPersistent && Config::kIsFp8;  // (column-major V: V's own stages)
-  using Epilogue = FwdEpilogue<typename Config::ElementOut, kBlockM, Config::kHeadDim, typename Mainloop::TiledMmaPV,
-                               kNumMmaThreads,
-                               kODirect ? OStore::kDirect : (kPersistent ? OStore::kTmaAsync : OStore::kTmaWaited)>;
+  // Chained tiles (Config::kChainTiles): the persistent form's warpgroups each run the CTA's tiles as one stream
+  // of K/V blocks and store their own rows of O.
+  static constexpr bool kChainTiles = kPersistent && Config::kChainTiles;
+  static_assert(!kChainTiles || (kOwnOBuffer && !Config::kIsFp8), "chained tiles: 16-bit, O in a buffer of its own");
+  using Epilogue = FwdEpilogue<
+      typename Config::ElementOut, kBlockM, Config::kHeadDim, typename Mainloop::TiledMmaPV, kNumMmaThreads,
+      kODirect ? OStore::kDirect
+               : (kChainTiles ? OStore::kTmaPerWarpgroup : (kPersistent ? OStore::kTmaAsync : OStore::kTmaWaited))>;
   static_assert(kPersistent || Epilogue::kSmemBytes <= (kStageOInVt ? Mainloop::kSmemBytesVt : Mainloop::kSmemBytesQ),
                 "O fits the lent buffer");
   using Scheduler = typename Policy::Scheduler;
@@ -355,11 +360,11 @@ struct FwdKernel {
         } else if constexpr (kStageOInVt) {
           return reinterpret_cast<ElementOut*>(Mainloop::smem_vt(storage.tensors.mainloop));
         } else {
-          return storage.tensors.mainloop.smem_q.data();
+          return Mainloop::smem_q(storage.tensors.mainloop, 0);
         }
       };
       // One tile whose Q has landed.
-      auto compute_tile = [&](TileCoord const& tile, SeqInfo const& seq, auto softcapped) {
+      auto compute_tile = [&](TileCoord const& tile, SeqInfo const& seq, int iteration, auto softcapped) {
         // The thread index read again per tile: ptxas otherwise hoists per-thread offsets out of the tile
         // loop and spills them (d128 non-causal, 8 bytes).
         int const tidx = kPersistent ? opaque_thread_idx() : thread_idx;
@@ -373,7 +378,7 @@ struct FwdKernel {
         // Persistent CTAs: the next tile's Q may land once every warpgroup's last GEMM0 is complete. One CTA
         // per tile loads no further Q (and may stage O in Q's buffer).
         auto q_read = [&] {
-          if constexpr (kPersistent) { Mainloop::release_q(storage.barriers, tidx); }
+          if constexpr (kPersistent) { Mainloop::release_q(storage.barriers, tidx, iteration); }
         };
         if (blocks.max > blocks.min) {
           Mainloop::template mma<kOInVStage>(params.mainloop, storage.tensors.mainloop, pipelines, read_k, read_v, tile,
@@ -395,19 +400,113 @@ struct FwdKernel {
       // it. Elsewhere the registers do not allow it: three consumer warpgroups (160 registers) spilled Q's
       // descriptors in the softcap path, d256 non-causal spilled 40 bytes and d192 causal's persistent form
       // got a 608-byte stack frame.
-      auto run_tile = [&](TileCoord const& tile, SeqInfo const& seq) {
+      static constexpr bool kSoftcapCompiledApart = Config::kNumMmaWarpGroups == 2 && Config::kHeadDim <= 128;
+      auto run_tile = [&](TileCoord const& tile, SeqInfo const& seq, int iteration) {
         bool const softcap = params.mainloop.scales.softcap_pre_scale > 0.f;
-        if constexpr (Config::kNumMmaWarpGroups == 2 && Config::kHeadDim <= 128) {
+        if constexpr (kSoftcapCompiledApart) {
           if (softcap) {
-            compute_tile(tile, seq, cute::true_type{});
+            compute_tile(tile, seq, iteration, cute::true_type{});
           } else {
-            compute_tile(tile, seq, cute::false_type{});
+            compute_tile(tile, seq, iteration, cute::false_type{});
           }
         } else {
-          compute_tile(tile, seq, softcap);
+          compute_tile(tile, seq, iteration, softcap);
         }
       };
-      if constexpr (kPersistent) {
+
+      // Chained tiles: each warpgroup's GEMMs run from one tile into the next. A tile's last GEMM1 is issued with
+      // the next tile's first GEMM0 (its Q in the other buffer), in one ping-pong turn; the tile's O is finalized
+      // and stored by the warpgroup while that GEMM0 runs; the turns run on across tiles. (16-bit: one softmax
+      // scale for every tile.)
+      // Forced inline: called once per softcap case, and an outlined call would serialize the wgmma pipeline and put
+      // the captures in local memory.
+      auto run_chained = [&](auto softcapped) __attribute__((always_inline)) {
+        struct TileState {
+          TileCoord tile;
+          SeqInfo seq;
+          Band band;
+          KeyBlocks blocks;
+          __device__ bool valid() const { return tile.block >= 0; }
+          __device__ bool has_keys() const { return blocks.max > blocks.min; }
+        };
+        auto tile_state = [&](int iteration) {  // after Q's barrier, which also publishes the tile (or the end)
+          Mainloop::wait_q(storage.barriers, iteration);
+          TileCoord const volatile& slot = storage.tile_slots[iteration & 1];
+          TileState s{{slot.block, slot.head, slot.batch}, {}, {}, {0, 0}};
+          if (s.valid()) {
+            s.seq = sequence(s.tile);
+            s.band = Mainloop::band(params.mainloop, s.seq);
+            s.blocks = key_blocks(s.tile, s.seq);
+          }
+          return s;
+        };
+        auto q_read = [&](int iteration) {
+          return [&storage, thread_idx, iteration] { Mainloop::release_q(storage.barriers, thread_idx, iteration); };
+        };
+        float const softcap_pre_scale = params.mainloop.scales.softcap_pre_scale;
+        typename Mainloop::WarpgroupMma wg(params.mainloop, storage.tensors.mainloop, pipelines, read_k, read_v, thread_idx);
+        typename Mainloop::TiledMmaPV tiled_mma_pv;
+        Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 2>(typename Mainloop::TileShapeMNK{}));
+        Softmax<2 * decltype(size<1>(tOrO))::value, Config::kMaxOffset, Config::kExp2OnFmaEvery, Config::kLazyRescale>
+            softmax(params.mainloop.scales.softmax_scale_log2);
+        auto store_tile = [&](TileState const& s) {
+          auto scores_scale = softmax.finalize();
+          softmax.rescale_o(tOrO, scores_scale);
+          Epilogue::store(params.epilogue, smem_o(), s.tile, s.seq, thread_idx, tOrO, softmax.row_sum);
+        };
+
+        TileState cur = tile_state(0);
+        if (!cur.valid()) { return; }
+        if (cur.has_keys()) {
+          wg.first_block(0, cur.tile, cur.band, cur.blocks.min, cur.blocks.max, softmax, softcap_pre_scale, softcapped,
+                         q_read(0));
+        }
+        wg.scheduler.start();
+        for (int iteration = 0;; ++iteration) {
+          if (cur.has_keys()) {
+            wg.other_blocks(iteration % Mainloop::kStagesQ, cur.tile, cur.band, cur.blocks.min, cur.blocks.max, tOrO,
+                            softmax, softcap_pre_scale, softcapped, q_read(iteration));
+          }
+          TileState const next = tile_state(iteration + 1);
+          int const next_q_stage = (iteration + 1) % Mainloop::kStagesQ;
+          bool const next_has_keys = next.valid() && next.has_keys();
+          if (cur.has_keys() && next_has_keys) {
+            wg.last_gemm1_with_next_gemm0(next_q_stage, tOrO);
+            store_tile(cur);
+            wg.next_scores(next.tile, next.band, next.blocks.min, next.blocks.max, softmax, softcap_pre_scale,
+                           softcapped, q_read(iteration + 1));
+          } else {
+            if (cur.has_keys()) {
+              wg.last_gemm1(tOrO);
+            } else {
+              q_read(iteration)();
+              softmax.reset();
+              clear(tOrO);  // no key visible to any row: O = 0, and finalize gives LSE = -inf
+            }
+            store_tile(cur);
+            if (next_has_keys) {
+              wg.first_block(next_q_stage, next.tile, next.band, next.blocks.min, next.blocks.max, softmax,
+                             softcap_pre_scale, softcapped, q_read(iteration + 1));
+            }
+          }
+          if (!next.valid()) { break; }
+          cur = next;
+        }
+        wg.scheduler.finish();
+      };
+
+      if constexpr (kChainTiles) {
+        bool const softcap = params.mainloop.scales.softcap_pre_scale > 0.f;
+        if constexpr (kSoftcapCompiledApart) {
+          if (softcap) {
+            run_chained(cute::true_type{});
+          } else {
+            run_chained(cute::false_type{});
+          }
+        } else {
+          run_chained(softcap);
+        }
+      } else if constexpr (kPersistent) {
         for (int iteration = 0;; ++iteration) {
           Mainloop::wait_q(storage.barriers, iteration);  // also publishes the tile (or the end)
           if (kOInVStage && iteration > 0 && thread_idx == 0) {
@@ -424,13 +523,13 @@ struct FwdKernel {
           if (tile.block < 0) { break; }
           // Its sequence read by the consumers themselves (publishing it too cost the producer's 32 registers
           // 64 bytes of spills at d64): the load's latency hides behind the tile's first GEMM.
-          run_tile(tile, sequence(tile));
+          run_tile(tile, sequence(tile), iteration);
         }
       } else {
         TileCoord const tile = scheduler.coord(scheduler.first());
         SeqInfo const seq = sequence(tile);  // loaded while Q is
         Mainloop::wait_q(storage.barriers, 0);
-        run_tile(tile, seq);
+        run_tile(tile, seq, 0);
       }
       Epilogue::finish(thread_idx);
     }

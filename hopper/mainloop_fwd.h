@@ -47,6 +47,7 @@ struct FwdMainloop {
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
+  static constexpr int kStagesQ = Config::kStagesQ;  // 2 for chained tiles: the next tile's Q lands during this one
   static constexpr bool kIsCausal = Config::kIsCausal;
   static constexpr int kNumMmaWarpGroups = Config::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
@@ -110,7 +111,7 @@ struct FwdMainloop {
   using BarrierQEmpty = cutlass::arch::ClusterBarrier;
 
   struct TensorStorage16 {
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ> * kStagesQ, 1024> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
   };
@@ -118,11 +119,18 @@ struct FwdMainloop {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>, 1024> smem_vt;
   };
   using TensorStorage = std::conditional_t<kTransposeV, TensorStorageFp8, TensorStorage16>;
-  static constexpr int kSmemBytesQ = int(cosize_v<SmemLayoutQ> * sizeof(Element));
+  static constexpr int kSmemBytesQ = int(cosize_v<SmemLayoutQ> * sizeof(Element));  // one Q buffer
+  static_assert(kSmemBytesQ % 1024 == 0, "Q buffers keep the swizzle phase");
+  // Q buffer `stage` (tile iteration % kStagesQ).
+  __device__ static Element* smem_q(TensorStorage& tensors, int stage) {
+    return tensors.smem_q.data() + stage * int(cosize_v<SmemLayoutQ>);
+  }
   static constexpr int kSmemBytesVt = int(cosize_v<SmemLayoutVt> * sizeof(Element));  // FP8's own buffer
   struct BarrierStorage16 {
-    alignas(16) BarrierQ barrier_q;             // Q landed (phase = tile iteration & 1)
-    alignas(16) BarrierQEmpty barrier_q_empty;  // Q's buffer may be overwritten with the next tile's Q
+    // Per Q buffer (tile iteration % kStagesQ; phase = (tile iteration / kStagesQ) & 1): Q landed, and the
+    // buffer may be overwritten with a later tile's Q.
+    alignas(16) BarrierQ barrier_q[kStagesQ];
+    alignas(16) BarrierQEmpty barrier_q_empty[kStagesQ];
     // Kernels that stage O over V's stages (persistent d256 causal): the previous tile's store of O has read them,
     // so the next tile's V may land (phase = tile iteration & 1).
     alignas(16) BarrierQEmpty barrier_o_read;
@@ -236,8 +244,10 @@ struct FwdMainloop {
 
   // Called by one thread before the CTA-wide barrier that publishes the barriers.
   __device__ static void init_barriers(BarrierStorage& barriers) {
-    barriers.barrier_q.init(/*arrive_count=*/1);
-    barriers.barrier_q_empty.init(/*arrive_count=*/kNumMmaWarpGroups);
+    for (int s = 0; s < kStagesQ; ++s) {
+      barriers.barrier_q[s].init(/*arrive_count=*/1);
+      barriers.barrier_q_empty[s].init(/*arrive_count=*/kNumMmaWarpGroups);
+    }
     barriers.barrier_o_read.init(/*arrive_count=*/1);
   }
 
@@ -279,8 +289,14 @@ struct FwdMainloop {
   // Every consumer thread, once its warpgroup's GEMM0s of the tile are complete: one thread per warpgroup
   // arrives, and the producer may load the next tile's Q while the consumers finish the tile (the last
   // softmax, GEMM1 and the epilogue). Persistent kernels only, whose O is not staged in Q's buffer.
-  __device__ static void release_q(BarrierStorage& barriers, int thread_idx) {
-    if (thread_idx % cutlass::NumThreadsPerWarpGroup == 0) { barriers.barrier_q_empty.arrive(); }
+  __device__ static void release_q(BarrierStorage& barriers, int thread_idx, int tile_iteration) {
+    if (thread_idx % cutlass::NumThreadsPerWarpGroup == 0) { barriers.barrier_q_empty[tile_iteration % kStagesQ].arrive(); }
+  }
+  // The producer, before tile `tile_iteration`'s Q: the tile kStagesQ before it no longer reads that buffer.
+  __device__ static void wait_q_empty(BarrierStorage& barriers, int tile_iteration) {
+    if (tile_iteration >= kStagesQ) {
+      barriers.barrier_q_empty[tile_iteration % kStagesQ].wait((tile_iteration / kStagesQ - 1) & 1);
+    }
   }
 
   // FP8, transposing warps (thread_idx 0 .. kNumTransposeThreads - 1): every staged V block of one tile,
@@ -329,7 +345,7 @@ struct FwdMainloop {
                               int n_block_min, int n_block_max, int tile_iteration, PublishTile&& publish_tile) {
     PipelineKV& pipeline_k = pipelines.k;
     PipelineKV& pipeline_v = pipelines.v;
-    Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem_q(tensors, tile_iteration % kStagesQ)), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(tensors.smem_v.data()), SmemLayoutV{});
 
@@ -369,12 +385,13 @@ struct FwdMainloop {
       bool const has_keys = n_block_max > n_block_min;
       if constexpr (kLoopsOverTiles) {
         if (has_keys) { load_k(n_block_max - 1); }
-        if (tile_iteration > 0) { barriers.barrier_q_empty.wait((tile_iteration - 1) & 1); }
+        wait_q_empty(barriers, tile_iteration);
         publish_tile();
       }
       using BarrierType = typename BarrierQ::ValueType;
-      barriers.barrier_q.arrive_and_expect_tx(kTmaBytesQ);
-      copy(params.tma_q.with(reinterpret_cast<BarrierType&>(barriers.barrier_q), 0), tQgQ, tQsQ);
+      BarrierQ& barrier_q = barriers.barrier_q[tile_iteration % kStagesQ];
+      barrier_q.arrive_and_expect_tx(kTmaBytesQ);
+      copy(params.tma_q.with(reinterpret_cast<BarrierType&>(barrier_q), 0), tQgQ, tQsQ);
       if (!has_keys) { return; }
       if constexpr (!kLoopsOverTiles) { load_k(n_block_max - 1); }
       if constexpr (kOOverV) {
@@ -399,18 +416,191 @@ struct FwdMainloop {
   // consumers are done with the last tile; they find no tile after `publish_end` and stop. TMA thread.
   template <class PublishEnd>
   __device__ static void load_end(BarrierStorage& barriers, int tile_iteration, PublishEnd&& publish_end) {
-    if (tile_iteration > 0) { barriers.barrier_q_empty.wait((tile_iteration - 1) & 1); }
+    wait_q_empty(barriers, tile_iteration);
     publish_end();
-    barriers.barrier_q.arrive();
+    barriers.barrier_q[tile_iteration % kStagesQ].arrive();
   }
 
-  __device__ static void wait_q(BarrierStorage& barriers, int tile_iteration) { barriers.barrier_q.wait(tile_iteration & 1); }
+  __device__ static void wait_q(BarrierStorage& barriers, int tile_iteration) {
+    barriers.barrier_q[tile_iteration % kStagesQ].wait((tile_iteration / kStagesQ) & 1);
+  }
 
   // O staged over V's stages (see load): the thread that issued the store, once the store has read them.
   __device__ static void release_o_over_v(BarrierStorage& barriers) { barriers.barrier_o_read.arrive(); }
 
-  // Computes the un-normalised O of the tile into tOrO and leaves the softmax state ready for finalize.
-  // Requires n_block_max > n_block_min and Q in shared memory (wait_q). With kHoldLastV consumer thread 0
+  // Chained tiles (Config::kChainTiles): one consumer warpgroup's GEMMs and online softmax over a persistent CTA's
+  // tiles back to back, in parts that FwdKernel's tile loop calls; S and P are held from one tile to the next. The
+  // parts follow mma's order of operations. (mma keeps its own code: built from these parts, ptxas scheduled the
+  // d128 step loop differently, and the one-CTA d128 non-causal kernel lost 4% at 8k keys: perf-notes section 46.) softcap_pre_scale is the tile's
+  // (TileScales); `softcap` says whether to apply it: a bool, or cute::true_type / false_type where the kernel
+  // compiles the two cases apart. q_read() is called by every thread once its warpgroup's last GEMM0 of the tile
+  // is complete (Q is no longer read).
+  struct WarpgroupMma {
+    using FragS = decltype(partition_fragment_C(TiledMmaQK{}, select<0, 1>(TileShapeMNK{})));
+    using FragP = decltype(make_tensor<Element>(acc_layout_to_a_regs<Element>(FragS{}.layout())));
+    TensorStorage& tensors;
+    Pipelines& pipelines;
+    PipelineState& read_k;
+    PipelineStateV& read_v;
+    int const thread_idx;
+    WarpgroupScheduler<kNumMmaWarpGroups> const scheduler;
+    FragS tSrS;
+    FragP tOrP;  // P in the input type, laid out as GEMM1's register A operand
+    bool zero_init_o = true;  // the tile's first GEMM1 writes O instead of accumulating
+
+    CUTE_DEVICE WarpgroupMma(Params const& params, TensorStorage& tensors_, Pipelines& pipelines_, PipelineState& read_k_,
+                            PipelineStateV& read_v_, int thread_idx_)
+        : tensors(tensors_), pipelines(pipelines_), read_k(read_k_), read_v(read_v_), thread_idx(thread_idx_),
+          scheduler(thread_idx_ / cutlass::NumThreadsPerWarpGroup, Config::kPingPong && params.pingpong) {}
+
+    // GEMM operands in shared memory, as descriptors: Q buffer `q_stage`, K's and V^T's stages.
+    CUTE_DEVICE auto frag_q(int q_stage) const {
+      Tensor sQ = make_tensor(make_smem_ptr(smem_q(tensors, q_stage)), SmemLayoutQ{});
+      return TiledMmaQK{}.get_thread_slice(thread_idx).partition_fragment_A(sQ);
+    }
+    CUTE_DEVICE auto frag_k() const {  // (MMA, MMA_N, MMA_K, stages)
+      Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
+      return TiledMmaQK{}.get_thread_slice(thread_idx).partition_fragment_B(sK);
+    }
+    CUTE_DEVICE auto frag_vt() const {  // (MMA, MMA_N, MMA_K, stages)
+      Tensor sVt = make_tensor(make_smem_ptr(smem_vt(tensors)), SmemLayoutVt{});
+      return TiledMmaPV{}.get_thread_slice(thread_idx).partition_fragment_B(sVt);
+    }
+
+    // The scores of a tile's first block (the last in key order: the only one that can be partial in seqlen_k),
+    // complete in tSrS: softcap, mask, the softmax's first step, P.
+    template <class SoftmaxT, class Softcapped>
+    CUTE_DEVICE void first_scores(TileCoord const& tile, Band const& band, int n_block, SoftmaxT& softmax,
+                                 float softcap_pre_scale, Softcapped softcapped) {
+      // Softcap's tanh comes before the mask (-inf stays -inf) and the softmax.
+      if (bool(softcapped)) { apply_softcap(tSrS, softcap_pre_scale); }
+      Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK>(thread_idx, band)
+          .template apply</*kSeqlenKMask=*/true, kIsCausal>(tSrS, tile.block, n_block);
+      softmax.template max_get_scale</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
+      softmax.template online_softmax</*kIsFirst=*/true, /*kCheckInf=*/true>(tSrS);
+      convert_p(tSrS, tOrP);
+      zero_init_o = true;
+    }
+
+    // GEMM0 of a tile's first block, outside the warpgroups' turns, and its scores.
+    template <class SoftmaxT, class Softcapped, class QRead>
+    CUTE_DEVICE void first_block(int q_stage, TileCoord const& tile, Band const& band, int n_block_min, int n_block_max,
+                                SoftmaxT& softmax, float softcap_pre_scale, Softcapped softcapped, QRead&& q_read) {
+      TiledMmaQK tiled_mma_qk;
+      pipelines.k.consumer_wait(read_k);
+      warpgroup_gemm<0>(tiled_mma_qk, frag_q(q_stage), frag_k()(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
+      pipelines.k.consumer_release(read_k);
+      ++read_k;
+      if (n_block_max - 1 == n_block_min) { q_read(); }
+      first_scores(tile, band, n_block_max - 1, softmax, softcap_pre_scale, softcapped);
+    }
+
+    // The tile's other blocks, in the warpgroups' turns: GEMM0 of block n issued with GEMM1 of block n + 1, so
+    // that the softmax of block n runs while GEMM1 is still on the tensor cores.
+    template <class FragO, class SoftmaxT, class Softcapped, class QRead>
+    CUTE_DEVICE void other_blocks(int q_stage, TileCoord const& tile, Band const& band, int n_block_min, int n_block_max,
+                                 FragO& tOrO, SoftmaxT& softmax, float softcap_pre_scale, Softcapped softcapped,
+                                 QRead&& q_read) {
+      PipelineKV& pipeline_k = pipelines.k;
+      PipelineGemmV& pipeline_v = pipelines.gemm_v();
+      BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{band};
+      int const m_block = tile.block;
+      Tensor tSrQ = frag_q(q_stage);
+      Tensor tSrK = frag_k();
+      Tensor tOrV = frag_vt();
+      TiledMmaQK tiled_mma_qk;
+      TiledMmaPV tiled_mma_pv;
+      Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, band);
+      bool const softcap = bool(softcapped);
+      // Forced inline: ptxas must see the GEMMs and their waits in one function, or it injects waits of its own.
+      auto step = [&](int n_block, auto masked) __attribute__((always_inline)) {
+        constexpr bool kMasked = decltype(masked)::value;
+        pipeline_k.consumer_wait(read_k);
+        scheduler.wait_turn();
+        warpgroup_gemm<-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
+        pipeline_v.consumer_wait(read_v);
+        warpgroup_gemm<-1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO, zero_init_o);
+        scheduler.pass_turn();
+        warpgroup_wait<1>();  // S is ready; GEMM1 still runs
+        warpgroup_fence_operand(tSrS);
+        pipeline_k.consumer_release(read_k);
+        ++read_k;
+        if (n_block == n_block_min) { q_read(); }
+        if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
+        if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kBandMask=*/true>(tSrS, m_block, n_block); }
+        auto scores_scale = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
+        softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
+        if constexpr (Config::kSoftmaxUnderGemm1) { warpgroup_wait_all_after(softmax.row_sum); }
+        warpgroup_wait<0>();  // GEMM1 done: O can be rescaled and P overwritten
+        warpgroup_fence_operand(tOrO);
+        pipeline_v.consumer_release(read_v);
+        ++read_v;
+        softmax.rescale_o_if_changed(tOrO, scores_scale);
+        convert_p(tSrS, tOrP);
+        zero_init_o = false;
+      };
+
+      int n_block = n_block_max - 2;
+      if constexpr (kIsCausal) {
+        // The blocks crossing the band's right edge, those inside it, then those crossing its left edge: two
+        // passes over one masked and one unmasked loop, so that each kind of step is compiled once.
+        int masked_end = max(n_block_min, blocks.n_block_right_masked(m_block));
+        int const unmasked_end = max(n_block_min, blocks.n_block_left_unmasked(m_block));
+#pragma unroll 1
+        for (int pass = 0; pass < 2; ++pass) {
+          for (; n_block >= masked_end; --n_block) { step(n_block, cute::true_type{}); }
+          for (; n_block >= unmasked_end; --n_block) { step(n_block, cute::false_type{}); }
+          masked_end = n_block_min;
+        }
+      } else {
+        for (; n_block >= 0; --n_block) { step(n_block, cute::false_type{}); }
+      }
+    }
+
+    // GEMM1 of the tile's last block, waited for (a tile followed by none, or by one that sees no key).
+    template <class FragO>
+    CUTE_DEVICE void last_gemm1(FragO& tOrO) {
+      PipelineGemmV& pipeline_v = pipelines.gemm_v();
+      TiledMmaPV tiled_mma_pv;
+      pipeline_v.consumer_wait(read_v);
+      warpgroup_gemm<0>(tiled_mma_pv, tOrP, frag_vt()(_, _, _, read_v.index()), tOrO, zero_init_o);
+      pipeline_v.consumer_release(read_v);
+      ++read_v;
+    }
+
+    // In one turn: GEMM1 of this tile's last block, then GEMM0 of the next tile's first block (Q
+    // buffer `next_q_stage`). Returns once GEMM1 is complete (O may be finalized and stored while GEMM0 runs);
+    // next_scores then waits for S.
+    template <class FragO>
+    CUTE_DEVICE void last_gemm1_with_next_gemm0(int next_q_stage, FragO& tOrO) {
+      PipelineGemmV& pipeline_v = pipelines.gemm_v();
+      TiledMmaQK tiled_mma_qk;
+      TiledMmaPV tiled_mma_pv;
+      pipelines.k.consumer_wait(read_k);
+      scheduler.wait_turn();
+      pipeline_v.consumer_wait(read_v);
+      warpgroup_gemm<-1>(tiled_mma_pv, tOrP, frag_vt()(_, _, _, read_v.index()), tOrO, zero_init_o);
+      warpgroup_gemm<-1>(tiled_mma_qk, frag_q(next_q_stage), frag_k()(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
+      scheduler.pass_turn();
+      warpgroup_wait<1>();  // O is complete; S still runs
+      warpgroup_fence_operand(tOrO);
+      pipeline_v.consumer_release(read_v);
+      ++read_v;
+    }
+    template <class SoftmaxT, class Softcapped, class QRead>
+    CUTE_DEVICE void next_scores(TileCoord const& tile, Band const& band, int n_block_min, int n_block_max, SoftmaxT& softmax,
+                                float softcap_pre_scale, Softcapped softcapped, QRead&& q_read) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      pipelines.k.consumer_release(read_k);
+      ++read_k;
+      if (n_block_max - 1 == n_block_min) { q_read(); }
+      first_scores(tile, band, n_block_max - 1, softmax, softcap_pre_scale, softcapped);
+    }
+  };
+
+  // Computes the un-normalised O of one tile into tOrO and leaves the softmax state ready for finalize (kernels that
+  // do not chain tiles). Requires n_block_max > n_block_min and Q in shared memory (wait_q; Q buffer 0). With kHoldLastV consumer thread 0
   // keeps the V stage the last GEMM1 read (the epilogue stages O there) until release_v_stage. softcap_pre_scale
   // is the tile's (TileScales); `softcapped` says whether to apply it: a bool, or cute::true_type /
   // false_type where the kernel compiles the two cases apart. q_read() is called by every thread once its
@@ -424,7 +614,7 @@ struct FwdMainloop {
     PipelineGemmV& pipeline_v = pipelines.gemm_v();
     BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{band};
     int const m_block = tile.block;
-    Tensor sQ = make_tensor(make_smem_ptr(tensors.smem_q.data()), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem_q(tensors, 0)), SmemLayoutQ{});  // one CTA per tile: buffer 0
     Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem_vt(tensors)), SmemLayoutVt{});
 

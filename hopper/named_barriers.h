@@ -9,6 +9,7 @@ namespace flash {
 enum class FwdNamedBarriers : uint32_t {
   kEpilogue = 0,
   kWarpgroupTurn0 = 1,  // + consumer warpgroup index (WarpgroupScheduler)
+  kEpilogueWarpgroup0 = 4,  // + consumer warpgroup index: a warpgroup's own O store (OStore::kTmaPerWarpgroup)
 };
 
 enum class BwdNamedBarriers : uint32_t {

@@ -108,7 +108,12 @@ struct Softmax {
   static_assert(kMaxOffset <= 8, "P's largest value with the lazy threshold must stay within e4m3's range");
 
   __device__ __forceinline__ explicit Softmax(float const softmax_scale_log2_) : softmax_scale_log2(softmax_scale_log2_) {
-    // A tile that sees no key never calls max_get_scale; this state makes finalize give O = 0, LSE = -inf.
+    reset();
+  }
+
+  // A tile that sees no key never calls max_get_scale; this state makes finalize give O = 0, LSE = -inf. (A tile's
+  // first max_get_scale and online_softmax overwrite both, so chained tiles reuse one Softmax without it.)
+  __device__ __forceinline__ void reset() {
     fill(row_max, -INFINITY);
     fill(row_sum, 0.f);
   }

@@ -72,6 +72,20 @@ struct FwdConfig {
   static constexpr bool kHasLongTiles = TileSize::kBlockMLong != TileSize::kBlockM || TileSize::kBlockNLong != TileSize::kBlockN;
 #endif
   static constexpr int kStages = 2;  // K/V pipeline depth
+  // Chained tiles (16-bit d64 persistent kernels): each consumer warpgroup runs its CTA's tiles as one stream of
+  // K/V blocks, the last GEMM1 of a tile issued with the first GEMM0 of the next (whose Q lands in a second
+  // buffer), the tile's epilogue under them, its O stored by the warpgroup on its own; the ping-pong turns run
+  // on across tiles (FwdKernel). d64: +4-11% non-causal, +2-6% causal from 512 to 8k keys; d128 causal (the
+  // other configuration whose shared memory holds a second Q) 10-27% slower (perf-notes section 46).
+#ifdef FLASH_EXT_CHAIN_TILES  // variant builds (A/B): chain every configuration that has the room
+  static constexpr bool kChainTilesWanted = FLASH_EXT_CHAIN_TILES;
+#else
+  static constexpr bool kChainTilesWanted = kHeadDim == 64;
+#endif
+  static constexpr bool kChainTiles =
+      kChainTilesWanted && !kIsFp8 && !kLongTiles_ &&
+      ((3 * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element_)) + 2048 <= 227 * 1024);
+  static constexpr int kStagesQ = kChainTiles ? 2 : 1;  // Q buffers
   // FP8 V given column-major, its keys (sequence dim) contiguous (FA3's V_colmajor): GEMM1 reads it as the
   // TMA loads it, and P's registers are exchanged within each quad into the keys' natural order
   // (convert_acc_to_a_regs_natural_fp8 in utils.h) instead of V being transposed in shared memory.

@@ -164,6 +164,34 @@ def test_forward_launch_modes(headdim, causal, persistent, monkeypatch):
     _check_against_reference(q, k, v, causal)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 20.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("window", [(-1, -1), (40, 0)], ids=["causal", "window40"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_forward_chained_tiles(dtype, window, softcap, monkeypatch):
+    """d64's persistent kernels chain a CTA's tiles: each warpgroup issues a tile's last GEMM1 with the next tile's
+    first GEMM0 (its Q in the second of two buffers) and stores its own rows of O. Several tiles per CTA in both
+    masks, and, with a window of 40 keys and seqlen_q > seqlen_k, causal tiles that see no key between tiles
+    that do (their rows: O = 0, LSE = -inf)."""
+    monkeypatch.setenv("FLASH_EXT_PERSISTENT", "1")
+    q, k, v = _make_qkv(5, 1500, 700, 24, 6, 64, dtype, seed=61)
+    for causal in (False, True):
+        _require_kernel(64, dtype, causal)
+        call_window = window if causal else (-1, -1)
+        batch, seqlen_q, nheads, headdim = q.shape
+        poison_allocator(((batch, seqlen_q, nheads, headdim), dtype), ((batch, nheads, seqlen_q), torch.float32))
+        out, lse = flash_ext.forward(q, k, v, causal=causal, window_size=call_window, softcap=softcap)
+        torch.cuda.synchronize()
+        assert not out.isnan().any() and not lse.isnan().any()
+        mask = dict(causal=causal, window_size=call_window, softcap=softcap)
+        out_ref, lse_ref = attention_ref(q, k, v, **mask)
+        assert_out_within_rule(out, out_ref, attention_lowp(q, k, v, **mask), dtype)
+        finite = assert_lse_matches(lse, lse_ref, 1e-3)
+        no_key = ~finite.transpose(1, 2)
+        assert torch.all(out[no_key] == 0)
+        if call_window != (-1, -1):
+            assert no_key.any(), "the case must hold rows that see no key"
+
+
 @pytest.mark.parametrize("persistent", ["0", "1"], ids=["one_cta_per_tile", "persistent"])
 def test_forward_causal_tile_groups(persistent, monkeypatch):
     """Persistent causal CTAs draw tiles from a counter that every call clears (two calls, the same bits),
