@@ -72,15 +72,15 @@ struct FwdConfig {
   static constexpr bool kHasLongTiles = TileSize::kBlockMLong != TileSize::kBlockM || TileSize::kBlockNLong != TileSize::kBlockN;
 #endif
   static constexpr int kStages = 2;  // K/V pipeline depth
-  // Chained tiles (16-bit d64 persistent kernels): each consumer warpgroup runs its CTA's tiles as one stream of
-  // K/V blocks, the last GEMM1 of a tile issued with the first GEMM0 of the next (whose Q lands in a second
-  // buffer), the tile's epilogue under them, its O stored by the warpgroup on its own; the ping-pong turns run
-  // on across tiles (FwdKernel). d64: +4-11% non-causal, +2-6% causal from 512 to 8k keys; d128 causal (the
-  // other configuration whose shared memory holds a second Q) 10-27% slower (perf-notes section 46).
-#ifdef FLASH_EXT_CHAIN_TILES  // variant builds (A/B): chain every configuration that has the room
+  // Chained tiles (16-bit persistent kernels whose shared memory holds a second Q beside O's own buffer: d64, d96,
+  // d128 causal): each consumer warpgroup runs its CTA's tiles as one stream of K/V blocks, the last GEMM1 of a
+  // tile issued with the first GEMM0 of the next (whose Q lands in the second buffer), the tile's epilogue under
+  // them, its O stored by the warpgroup on its own; the ping-pong turns run on across tiles (FwdKernel). d64:
+  // +4-13% non-causal, +3-6% causal from 512 to 4k keys; d128 causal +5% at 512, +2% at 1k (perf-notes section 46).
+#ifdef FLASH_EXT_CHAIN_TILES  // variant builds (A/B)
   static constexpr bool kChainTilesWanted = FLASH_EXT_CHAIN_TILES;
 #else
-  static constexpr bool kChainTilesWanted = kHeadDim == 64;
+  static constexpr bool kChainTilesWanted = true;
 #endif
   static constexpr bool kChainTiles =
       kChainTilesWanted && !kIsFp8 && !kLongTiles_ &&
