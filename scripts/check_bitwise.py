@@ -3,7 +3,7 @@ work is scheduled but not its arithmetic (e.g. chained tiles): dense calls at od
 sliding windows (tiles with no visible key included), softcap, and varlen batches of mixed lengths, each in
 both launch forms (FLASH_EXT_PERSISTENT=0/1). Outputs poisoned with NaN first (tests/gpu_helpers.py).
 
-    PYTHONPATH=$PWD python3 scripts/check_bitwise.py --variant chain --headdims 64,128 [--dtypes bf16,fp16]
+    PYTHONPATH=$PWD python3 scripts/check_bitwise.py --variant chain --headdims 64,128 [--dtypes bf16,fp16] [--causal 1]
 
 Prints each case that differs (max |diff| of out and LSE) and a summary; exits 1 if any case differs.
 """
@@ -54,6 +54,7 @@ def main():
     parser.add_argument("--variant", required=True)
     parser.add_argument("--headdims", default="64,128")
     parser.add_argument("--dtypes", default="bf16")
+    parser.add_argument("--causal", default="0,1", help="the masks the variant compiled: 0 (non-causal), 1 (causal)")
     args = parser.parse_args()
     ops = build_ops(args.variant)
     base, var = ops["main"], ops[args.variant]
@@ -78,7 +79,7 @@ def main():
             dtype = DTYPES[dname]
             for d in map(int, args.headdims.split(",")):
                 scale = 1 / math.sqrt(d)
-                for causal in (False, True):
+                for causal in (c == "1" for c in args.causal.split(",")):
                     for b, sq, sk, h, hk in DENSE:
                         q = torch.randn(b, sq, h, d, device="cuda", generator=gen).to(dtype)
                         k = torch.randn(b, sk, hk, d, device="cuda", generator=gen).to(dtype)
