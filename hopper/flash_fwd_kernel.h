@@ -239,7 +239,9 @@ struct FwdKernel {
     return {Mainloop::to_params(p, packed), Epilogue::to_params(p, packed), Policy::scheduler(p)};
   }
 
-  __device__ static void run(Params const& params, char* smem) {
+  // Forced inline into device_kernel: ptxas called it as a function in the chained kernels at d96 and d128 causal,
+  // and serialized the wgmma pipeline across the call (perf-notes section 46).
+  CUTE_DEVICE static void run(Params const& params, char* smem) {
     using PipelineKV = typename Mainloop::PipelineKV;
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
     Scheduler const& scheduler = params.scheduler;
