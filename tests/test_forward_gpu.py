@@ -167,15 +167,16 @@ def test_forward_launch_modes(headdim, causal, persistent, monkeypatch):
 @pytest.mark.parametrize("softcap", [0.0, 20.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("window", [(-1, -1), (40, 0)], ids=["causal", "window40"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-def test_forward_chained_tiles(dtype, window, softcap, monkeypatch):
-    """d64's persistent kernels chain a CTA's tiles: each warpgroup issues a tile's last GEMM1 with the next tile's
-    first GEMM0 (its Q in the second of two buffers) and stores its own rows of O. Several tiles per CTA in both
-    masks, and, with a window of 40 keys and seqlen_q > seqlen_k, causal tiles that see no key between tiles
-    that do (their rows: O = 0, LSE = -inf)."""
+@pytest.mark.parametrize("headdim", [64, 96, 128])
+def test_forward_chained_tiles(headdim, dtype, window, softcap, monkeypatch):
+    """The persistent kernels with room for a second Q (d64, d96, d128 causal) chain a CTA's tiles: each warpgroup
+    issues a tile's last GEMM1 with the next tile's first GEMM0 (its Q in the other buffer) and stores its own rows
+    of O. Several tiles per CTA in both masks, and, with a window of 40 keys and seqlen_q > seqlen_k, causal tiles
+    that see no key between tiles that do (their rows: O = 0, LSE = -inf)."""
     monkeypatch.setenv("FLASH_EXT_PERSISTENT", "1")
-    q, k, v = _make_qkv(5, 1500, 700, 24, 6, 64, dtype, seed=61)
+    q, k, v = _make_qkv(5, 1500, 700, 24, 6, headdim, dtype, seed=61 + headdim)
     for causal in (False, True):
-        _require_kernel(64, dtype, causal)
+        _require_kernel(headdim, dtype, causal)
         call_window = window if causal else (-1, -1)
         batch, seqlen_q, nheads, headdim = q.shape
         poison_allocator(((batch, seqlen_q, nheads, headdim), dtype), ((batch, nheads, seqlen_q), torch.float32))
