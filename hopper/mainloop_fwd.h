@@ -604,9 +604,11 @@ struct FwdMainloop {
   // keeps the V stage the last GEMM1 read (the epilogue stages O there) until release_v_stage. softcap_pre_scale
   // is the tile's (TileScales); `softcapped` says whether to apply it: a bool, or cute::true_type /
   // false_type where the kernel compiles the two cases apart. q_read() is called by every thread once its
-  // warpgroup's last GEMM0 of the tile is complete (Q is no longer read).
+  // warpgroup's last GEMM0 of the tile is complete (Q is no longer read). Forced inline: with FwdKernel::run
+  // inlined, ptxas called it as a function in d128 causal (one CTA per tile) and FP8 d128 causal (persistent),
+  // serializing the wgmma pipeline at the call (C7510) on a 464-528 byte stack.
   template <bool kHoldLastV, class FragO, class SoftmaxT, class Softcapped, class QRead>
-  __device__ static void mma(Params const& params, TensorStorage& tensors, Pipelines& pipelines,
+  CUTE_DEVICE static void mma(Params const& params, TensorStorage& tensors, Pipelines& pipelines,
                              PipelineState& read_k, PipelineStateV& read_v, TileCoord const& tile, Band const& band,
                              int n_block_min, int n_block_max, int thread_idx, FragO& tOrO, SoftmaxT& softmax,
                              float softcap_pre_scale, Softcapped softcapped, QRead&& q_read) {
