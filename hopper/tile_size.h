@@ -24,8 +24,10 @@ struct FwdTile {
 // must stay under 227 KB.
 // Causal kernels carry the mask's extra live registers: d192 causal at kBlockN = 112 and d256 causal at
 // kBlockN = 80 once spilled; both compile clean now but pay only on long sequences (perf-notes sections 32
-// and 36). d128 non-causal: 128x176 is 3-5% faster from 4k on than 128x128; 128x128 would leave room for
-// the separate O buffer of persistent launches (+13% at 512): long sequences won (perf-notes section 5).
+// and 36). d128 non-causal: 128x176 is 3-5% faster from 4k on than 128x128 (perf-notes section 5), so the
+// one-CTA-per-tile kernel of long sequences keeps it; the persistent kernel (and one-wave grids) takes 128x128,
+// which leaves room for O's own buffer and a second Q (chained tiles): +4% at 512 keys, +2% at 1k, equal at
+// 2k-4k and at 16k in one wave (perf-notes section 46).
 // Long tiles: d64 causal 192-row tiles (three consumer warpgroups) are 7-11% faster from 4k keys on, 10-11%
 // slower at 512-1k (a third of the last tile empty, more masked blocks per tile), and their persistent
 // form's producer spills (perf-notes section 30); d256 causal 80-key blocks are 3-4% faster from 4k keys on
@@ -35,7 +37,7 @@ template <int kHeadDim, bool kIsCausal>
 struct FwdTileSize16;
 template <bool C> struct FwdTileSize16<64, C> : FwdTile<C ? 128 : 192, 128, 192> {};
 template <bool C> struct FwdTileSize16<96, C> : FwdTile<128, 128> {};
-template <bool C> struct FwdTileSize16<128, C> : FwdTile<128, C ? 128 : 176> {};
+template <bool C> struct FwdTileSize16<128, C> : FwdTile<128, 128, 128, C ? 128 : 176> {};
 template <bool C> struct FwdTileSize16<192, C> : FwdTile<128, C ? 96 : 112> {};
 template <bool C> struct FwdTileSize16<256, C> : FwdTile<128, C ? 64 : 80, 128, 80> {};
 
@@ -73,10 +75,11 @@ struct FwdConfig {
 #endif
   static constexpr int kStages = 2;  // K/V pipeline depth
   // Chained tiles (16-bit persistent kernels whose shared memory holds a second Q beside O's own buffer: d64, d96,
-  // d128 causal): each consumer warpgroup runs its CTA's tiles as one stream of K/V blocks, the last GEMM1 of a
+  // d128): each consumer warpgroup runs its CTA's tiles as one stream of K/V blocks, the last GEMM1 of a
   // tile issued with the first GEMM0 of the next (whose Q lands in the second buffer), the tile's epilogue under
   // them, its O stored by the warpgroup on its own; the ping-pong turns run on across tiles (FwdKernel). d64:
-  // +4-13% non-causal, +3-6% causal from 512 to 4k keys; d128 causal +5% at 512, +2% at 1k (perf-notes section 46).
+  // +4-13% non-causal, +3-6% causal from 512 to 4k keys; d96 causal +5% at 512, d96 non-causal within 1%; d128
+  // causal +5% at 512, +2% at 1k; d128 non-causal (128x128 tiles) +4% at 512 (perf-notes section 46).
 #ifdef FLASH_EXT_CHAIN_TILES  // variant builds (A/B)
   static constexpr bool kChainTilesWanted = FLASH_EXT_CHAIN_TILES;
 #else

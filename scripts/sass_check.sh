@@ -9,6 +9,7 @@ dir=${1:-$(ls -d "$root"/build/temp.*/hopper/instantiations 2>/dev/null | head -
 [ -d "$dir/hopper/instantiations" ] && dir=$dir/hopper/instantiations
 cuobjdump=$(command -v cuobjdump || ls "$root"/.venv/lib/python3*/site-packages/triton/backends/nvidia/bin/cuobjdump 2>/dev/null | head -1)
 [ -n "$cuobjdump" ] || { echo "no cuobjdump (CUDA toolkit or triton's copy)" >&2; exit 2; }
+export PATH=$(dirname "$cuobjdump"):$PATH  # cuobjdump -sass runs nvdisasm (triton ships both side by side)
 status=0
 for obj in "$dir"/*.o; do
   sass=$("$cuobjdump" -sass "$obj" 2>/dev/null)
