@@ -652,7 +652,9 @@ struct FwdMainloop {
     convert_p(tSrS, tOrP);
 
     bool zero_init_o = true;  // the first GEMM1 writes O instead of accumulating
-    // One K/V block with GEMM0 of block n overlapping GEMM1 of block n + 1.
+    // One K/V block with GEMM0 of block n overlapping GEMM1 of block n + 1. The same statements as the step of
+    // WarpgroupMma::other_blocks (chained kernels), kept apart on purpose: built from WarpgroupMma's parts, this
+    // function's d128 step loop came out of ptxas in another order and ran 4% slower (perf-notes section 46).
     auto step = [&](int n_block, auto masked) {
       constexpr bool kMasked = decltype(masked)::value;
       pipeline_k.consumer_wait(read_k);
