@@ -55,6 +55,8 @@ struct FwdLaunchPolicy {
   static constexpr bool kOwnOBuffer =
       !FLASH_EXT_FORCE_DIRECT_O && !Config::kIsFp8 &&
       int(sizeof(typename Mainloop::TensorStorage)) + EpilogueAsync::kSmemBytes + 1024 <= kSmemLimit;
+  // O in V's last stage: no default tile since d128 non-causal moved to 128x128 (perf-notes section 46); tile
+  // variant builds (FLASH_EXT_TILE_N, e.g. d128 at 128x176) still take it.
   static constexpr bool kOInVStage = !FLASH_EXT_FORCE_DIRECT_O && !kOwnOBuffer && !Config::kIsFp8 &&
                                      !Config::kIsCausal && EpilogueAsync::kSmemBytes <= Mainloop::kSmemBytesVStage;
   // O written from registers (FwdEpilogue, OStore::kDirect): d192, +5-10% at 512 keys and +1-6% at 1k over one
