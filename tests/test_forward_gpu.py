@@ -169,7 +169,7 @@ def test_forward_launch_modes(headdim, causal, persistent, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("headdim", [64, 96, 128])
 def test_forward_chained_tiles(headdim, dtype, window, softcap, monkeypatch):
-    """The persistent kernels with room for a second Q (d64, d96, d128 causal) chain a CTA's tiles: each warpgroup
+    """The persistent kernels with room for a second Q (16-bit d64, d96, d128) chain a CTA's tiles: each warpgroup
     issues a tile's last GEMM1 with the next tile's first GEMM0 (its Q in the other buffer) and stores its own rows
     of O. Several tiles per CTA in both masks, and, with a window of 40 keys and seqlen_q > seqlen_k, causal tiles
     that see no key between tiles that do (their rows: O = 0, LSE = -inf)."""
