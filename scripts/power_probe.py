@@ -3,9 +3,11 @@
 The benchmark's rows move by up to 8% between device calls (perf-notes section 47). This runs one shape back
 to back for --seconds per backend, alternating backends, and prints one line per window: the throughput of
 the window (CUDA events) next to nvidia-smi's readings sampled while it ran, to show whether the GPU's clock
-or power limit moves the figures as it warms.
+or power limit moves the figures as it warms. With --variants (scripts/build_variant.sh builds), it is a
+sustained A/B: the builds alternate in windows long enough to run at the power limit, as a training run does.
 
     PYTHONPATH=$PWD python3 scripts/power_probe.py --headdim 128 --seqlen 8192 --seconds 20 --rounds 2
+    PYTHONPATH=$PWD python3 scripts/power_probe.py --dtype fp8 --variants fma0   (no cuDNN column for fp8)
 """
 import argparse
 import math
@@ -17,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import flash_ext
+import flash_ext  # noqa: F401  (loads the main build's ops)
+from variant_builds import build_ops
 
 
 class SmiSampler:
@@ -57,6 +60,8 @@ def main():
     parser.add_argument("--seconds", type=float, default=20.0, help="per backend and round")
     parser.add_argument("--window", type=float, default=2.0, help="seconds per printed line")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--variants", default="", help="comma list of variant build names, timed beside main")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"))
     args = parser.parse_args()
     d, s, causal = args.headdim, args.seqlen, bool(args.causal)
     b, h = 16384 // s, 2048 // d
@@ -68,10 +73,18 @@ def main():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-    backends = {"flash_ext": lambda: flash_ext.forward(q, k, v, causal=causal), "cuDNN": cudnn}
+    call = (1 / math.sqrt(d), causal, None, None, None, -1, -1, 0.0)
+    q16, k16, v16 = q, k, v
+    if args.dtype == "fp8":
+        q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    backends = {name: (lambda ns=ns: ns.fwd(q, k, v, *call)) for name, ns in build_ops(args.variants).items()}
+    if args.dtype == "fp8":  # our bf16 forward, the issue's yardstick for FP8
+        backends["main bf16"] = lambda: torch.ops.flash_ext.fwd(q16, k16, v16, *call)
+    else:
+        backends["cuDNN"] = cudnn
     smi = SmiSampler()
     smi.start()
-    print(f"d{d} {'C' if causal else 'N'} s{s} b{b} h{h} bf16; {args.seconds:.0f} s per backend per round")
+    print(f"d{d} {'C' if causal else 'N'} s{s} b{b} h{h} {args.dtype}; {args.seconds:.0f} s per backend per round")
     print(f"{'round':>5} {'backend':>10} {'t s':>6} {'TFLOP/s':>8} {'MHz min/mean':>13} {'W mean/max':>11} {'C':>4}")
     for r in range(args.rounds):
         for name, fn in backends.items():
