@@ -431,7 +431,9 @@ struct FwdMainloop {
   // Chained tiles (Config::kChainTiles): one consumer warpgroup's GEMMs and online softmax over a persistent CTA's
   // tiles back to back, in parts that FwdKernel's tile loop calls; S and P are held from one tile to the next. The
   // parts follow mma's order of operations. (mma keeps its own code: built from these parts, ptxas scheduled the
-  // d128 step loop differently, and the one-CTA d128 non-causal kernel lost 4% at 8k keys: perf-notes section 46.) softcap_pre_scale is the tile's
+  // d128 step loop differently, and the one-CTA d128 non-causal kernel lost 4% at 8k keys: perf-notes section 46;
+  // with mma forced inline, d128 non-causal's loops match, but the causal and FP8 step loops still come out in
+  // another order: scripts/sass_diff.py, perf-notes section 47.) softcap_pre_scale is the tile's
   // (TileScales); `softcap` says whether to apply it: a bool, or cute::true_type / false_type where the kernel
   // compiles the two cases apart. q_read() is called by every thread once its warpgroup's last GEMM0 of the tile
   // is complete (Q is no longer read).
