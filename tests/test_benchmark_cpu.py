@@ -450,6 +450,26 @@ def test_deterministic_option():
     assert "flash_ext deterministic" in cli.format_dry_run(cli.build_grid(args), ["fwd", "bwd"], ["flash_ext"], args)
 
 
+def test_heat_option(monkeypatch):
+    """Every backend is heated before it is timed (default 500 ms; perf-notes section 47: the timing order moved
+    ratios by 2-7% without it); the titles say so; 0 turns it off; a negative value is refused."""
+    assert _args().heat_ms == 500.0
+    args = _args("--heat-ms", "0", "--quick")
+    assert args.heat_ms == 0.0 and cli.config_dict(args, cli.build_grid(args), ["fwd"], ["flash_ext"])["heat_ms"] == 0.0
+    assert "after 500 ms of heat" in cli.table_title("fwd", {}, _args())
+    assert "500 ms of heat" in cli.format_dry_run(cli.build_grid(_args()), ["fwd"], ["flash_ext"], _args())
+    with pytest.raises(SystemExit):
+        cli.main(["--dry-run", "--heat-ms", "-1"])
+    # heat(fn, 0) calls nothing; heat(fn, ms) runs fn in groups of 4 until ms have passed (synchronize stubbed:
+    # no GPU here).
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+    timing.heat(lambda: calls.append(1), 0)
+    assert calls == []
+    timing.heat(lambda: calls.append(1), 1)
+    assert len(calls) >= 4 and len(calls) % 4 == 0
+
+
 def test_gqa_option():
     grid = cli.build_grid(_args("--gqa", "4"))  # nheads 32, 16, 8 for d64, d128, d256
     assert {(s.headdim, s.nheads, s.nheads_kv) for s in grid} == {(64, 32, 8), (128, 16, 4), (256, 8, 2)}

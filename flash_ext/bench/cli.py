@@ -153,6 +153,9 @@ def build_parser():
     t = p.add_argument_group("timing and checks")
     t.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up time in ms (default 25)")
     t.add_argument("--repeat-ms", type=float, default=100.0, help="do_bench measuring time in ms (default 100)")
+    t.add_argument("--heat-ms", type=float, default=500.0,
+                   help="run each backend back to back this long before timing it, so that every backend is timed "
+                        "at the GPU's steady (power-limited) clock whatever ran before it (default 500; 0 = off)")
     t.add_argument("--math-max-gb", type=float, default=2.0,
                    help="skip SDPA math when its b*h*sq*sk*4-byte score matrix exceeds this many GiB (default 2)")
     t.add_argument("--input-scale", type=float, default=1.0, help="inputs are randn * this (default 1.0)")
@@ -267,7 +270,8 @@ def format_dry_run(shapes, modes, backend_keys, args):
         f"flash_ext benchmark (dry run): modes {'+'.join(modes)}, "
         f"dtype {args.dtype}{_flash_ext_options_note(args, modes)}{_variant_note(args)}, {len(shapes)} shape(s), "
         f"backends {', '.join(backend_name(k) for k in backend_keys)}",
-        f"timing: do_bench warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms, median; output folder {args.out}",
+        f"timing: {args.heat_ms:g} ms of heat, then do_bench warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms, "
+        f"median; output folder {args.out}",
     ]
     if _variant_note(args):
         columns = [backend_name(k) for k in ("flash_ext_no_window", "flash_ext_no_softcap") if k in backend_keys]
@@ -315,7 +319,7 @@ def table_title(mode, env, args):
     return (
         f"== {MODE_TITLES[mode]} | {args.dtype}{_flash_ext_options_note(args, [mode])}{_variant_note(args)} | {gpu}{clock} | "
         "TFLOP/s, median of "
-        f"do_bench (warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms) =="
+        f"do_bench (warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms) after {args.heat_ms:g} ms of heat =="
     )
 
 
@@ -392,6 +396,8 @@ def main(argv=None):
         parser.error(str(e))
     if args.warmup_ms <= 0 or args.repeat_ms <= 0:
         parser.error("--warmup-ms and --repeat-ms must be positive")
+    if not args.heat_ms >= 0:
+        parser.error("--heat-ms must be 0 or more")
     try:
         modes = resolve_modes(args.mode, args.dtype)
     except ValueError as e:
@@ -422,7 +428,7 @@ def main(argv=None):
         if be.unavailable:
             print(f"  {backend_name(be.key)}: skipped everywhere: {be.unavailable}", file=sys.stderr)
     if device.type == "cuda":
-        timer = make_do_bench_timer(args.warmup_ms, args.repeat_ms)
+        timer = make_do_bench_timer(args.warmup_ms, args.repeat_ms, args.heat_ms)
         peak_fn = lambda fn: cuda_peak_mib(fn, device)  # noqa: E731
     else:
         timer, peak_fn = cpu_timer, None

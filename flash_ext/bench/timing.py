@@ -5,10 +5,32 @@ import torch
 from triton.testing import do_bench
 
 
-def make_do_bench_timer(warmup_ms, rep_ms):
-    """fn -> median ms by triton.testing.do_bench (CUDA events, L2 flushed before every call)."""
+def heat(fn, ms):
+    """Runs fn back to back for about `ms` milliseconds of wall time (at least once), then waits for the GPU.
+
+    Under sustained load the H200 runs at its power limit, which acts over about a second: a backend timed
+    right after low-power work (the float64 reference, SDPA's math backend, an idle gap) runs at a higher
+    clock than one timed after a heavy kernel, and which backend comes first would move the ratios by 2-7%
+    (docs/perf-notes.md section 47). Heating with the backend's own work first times every backend at the
+    steady clock a training run sees."""
+    if ms <= 0:
+        return
+    torch.cuda.synchronize()
+    end = time.perf_counter() + ms / 1e3
+    while True:
+        for _ in range(4):
+            fn()
+        torch.cuda.synchronize()
+        if time.perf_counter() >= end:
+            return
+
+
+def make_do_bench_timer(warmup_ms, rep_ms, heat_ms=0.0):
+    """fn -> median ms by triton.testing.do_bench (CUDA events, L2 flushed before every call), after
+    heat(fn, heat_ms)."""
 
     def timer(fn):
+        heat(fn, heat_ms)
         return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
     return timer
