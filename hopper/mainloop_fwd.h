@@ -428,12 +428,51 @@ struct FwdMainloop {
   // O staged over V's stages (see load): the thread that issued the store, once the store has read them.
   __device__ static void release_o_over_v(BarrierStorage& barriers) { barriers.barrier_o_read.arrive(); }
 
+  // One K/V block in the warpgroups' turns, the step of both block loops (mma's and WarpgroupMma::other_blocks'):
+  // GEMM0 of block n issued with GEMM1 of block n + 1, so that the softmax of block n runs while GEMM1 is still
+  // on the tensor cores. Forced inline: ptxas must see the GEMMs and their waits in one function. (Both loops
+  // compile to the same SASS as when each had its own copy of these statements: scripts/sass_diff.py.)
+  template <bool kMasked, class FragQ, class FragK, class FragV, class FragS, class FragP, class FragO, class MaskT,
+            class SoftmaxT, class QRead>
+  CUTE_DEVICE static void kv_step(Pipelines& pipelines, PipelineState& read_k, PipelineStateV& read_v,
+                                  WarpgroupScheduler<kNumMmaWarpGroups> const& scheduler, FragQ const& tSrQ,
+                                  FragK const& tSrK, FragV const& tOrV, FragS& tSrS, FragP& tOrP, FragO& tOrO,
+                                  bool& zero_init_o, MaskT const& mask, SoftmaxT& softmax, bool softcap,
+                                  float softcap_pre_scale, int m_block, int n_block, int n_block_min, QRead& q_read) {
+    PipelineKV& pipeline_k = pipelines.k;
+    PipelineGemmV& pipeline_v = pipelines.gemm_v();
+    TiledMmaQK tiled_mma_qk;
+    TiledMmaPV tiled_mma_pv;
+    pipeline_k.consumer_wait(read_k);
+    scheduler.wait_turn();
+    warpgroup_gemm<-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
+    pipeline_v.consumer_wait(read_v);
+    warpgroup_gemm<-1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO, zero_init_o);
+    scheduler.pass_turn();
+    warpgroup_wait<1>();  // S is ready; GEMM1 still runs
+    warpgroup_fence_operand(tSrS);
+    pipeline_k.consumer_release(read_k);
+    ++read_k;
+    if (n_block == n_block_min) { q_read(); }
+    if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
+    if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kBandMask=*/true>(tSrS, m_block, n_block); }
+    auto scores_scale = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
+    softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
+    if constexpr (Config::kSoftmaxUnderGemm1) { warpgroup_wait_all_after(softmax.row_sum); }
+    warpgroup_wait<0>();  // GEMM1 done: O can be rescaled and P overwritten
+    warpgroup_fence_operand(tOrO);
+    pipeline_v.consumer_release(read_v);
+    ++read_v;
+    softmax.rescale_o_if_changed(tOrO, scores_scale);
+    convert_p(tSrS, tOrP);
+    zero_init_o = false;
+  }
+
   // Chained tiles (Config::kChainTiles): one consumer warpgroup's GEMMs and online softmax over a persistent CTA's
   // tiles back to back, in parts that FwdKernel's tile loop calls; S and P are held from one tile to the next. The
-  // parts follow mma's order of operations. (mma keeps its own code: built from these parts, ptxas scheduled the
-  // d128 step loop differently, and the one-CTA d128 non-causal kernel lost 4% at 8k keys: perf-notes section 46;
-  // with mma forced inline, d128 non-causal's loops match, but the causal and FP8 step loops still come out in
-  // another order: scripts/sass_diff.py, perf-notes section 47.) softcap_pre_scale is the tile's
+  // parts follow mma's order of operations and share its step (kv_step). (mma is not built from these parts: so
+  // built, ptxas ordered the step loops differently, and d128 non-causal lost 4% at 8k keys; perf-notes sections
+  // 46 and 47.) softcap_pre_scale is the tile's
   // (TileScales); `softcap` says whether to apply it: a bool, or cute::true_type / false_type where the kernel
   // compiles the two cases apart. q_read() is called by every thread once its warpgroup's last GEMM0 of the tile
   // is complete (Q is no longer read).
@@ -503,43 +542,18 @@ struct FwdMainloop {
     CUTE_DEVICE void other_blocks(int q_stage, TileCoord const& tile, Band const& band, int n_block_min, int n_block_max,
                                  FragO& tOrO, SoftmaxT& softmax, float softcap_pre_scale, Softcapped softcapped,
                                  QRead&& q_read) {
-      PipelineKV& pipeline_k = pipelines.k;
-      PipelineGemmV& pipeline_v = pipelines.gemm_v();
       BlockRange<kBlockM, kBlockN, kIsCausal> const blocks{band};
       int const m_block = tile.block;
       Tensor tSrQ = frag_q(q_stage);
       Tensor tSrK = frag_k();
       Tensor tOrV = frag_vt();
-      TiledMmaQK tiled_mma_qk;
-      TiledMmaPV tiled_mma_pv;
       Mask<kBlockM, kBlockN, kIsCausal, TiledMmaQK> mask(thread_idx, band);
       bool const softcap = bool(softcapped);
       // Forced inline: ptxas must see the GEMMs and their waits in one function, or it injects waits of its own.
       auto step = [&](int n_block, auto masked) __attribute__((always_inline)) {
-        constexpr bool kMasked = decltype(masked)::value;
-        pipeline_k.consumer_wait(read_k);
-        scheduler.wait_turn();
-        warpgroup_gemm<-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
-        pipeline_v.consumer_wait(read_v);
-        warpgroup_gemm<-1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO, zero_init_o);
-        scheduler.pass_turn();
-        warpgroup_wait<1>();  // S is ready; GEMM1 still runs
-        warpgroup_fence_operand(tSrS);
-        pipeline_k.consumer_release(read_k);
-        ++read_k;
-        if (n_block == n_block_min) { q_read(); }
-        if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
-        if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kBandMask=*/true>(tSrS, m_block, n_block); }
-        auto scores_scale = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
-        softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
-        if constexpr (Config::kSoftmaxUnderGemm1) { warpgroup_wait_all_after(softmax.row_sum); }
-        warpgroup_wait<0>();  // GEMM1 done: O can be rescaled and P overwritten
-        warpgroup_fence_operand(tOrO);
-        pipeline_v.consumer_release(read_v);
-        ++read_v;
-        softmax.rescale_o_if_changed(tOrO, scores_scale);
-        convert_p(tSrS, tOrP);
-        zero_init_o = false;
+        kv_step<decltype(masked)::value>(pipelines, read_k, read_v, scheduler, tSrQ, tSrK, tOrV, tSrS, tOrP, tOrO,
+                                         zero_init_o, mask, softmax, softcap, softcap_pre_scale, m_block, n_block,
+                                         n_block_min, q_read);
       };
 
       int n_block = n_block_max - 2;
@@ -654,34 +668,10 @@ struct FwdMainloop {
     convert_p(tSrS, tOrP);
 
     bool zero_init_o = true;  // the first GEMM1 writes O instead of accumulating
-    // One K/V block with GEMM0 of block n overlapping GEMM1 of block n + 1. The same statements as the step of
-    // WarpgroupMma::other_blocks (chained kernels), kept apart on purpose: built from WarpgroupMma's parts, this
-    // function's d128 step loop came out of ptxas in another order and ran 4% slower (perf-notes section 46).
     auto step = [&](int n_block, auto masked) {
-      constexpr bool kMasked = decltype(masked)::value;
-      pipeline_k.consumer_wait(read_k);
-      scheduler.wait_turn();
-      warpgroup_gemm<-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, /*zero_init=*/true);
-      pipeline_v.consumer_wait(read_v);
-      warpgroup_gemm<-1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO, zero_init_o);
-      scheduler.pass_turn();
-      warpgroup_wait<1>();  // S is ready; GEMM1 still runs
-      warpgroup_fence_operand(tSrS);
-      pipeline_k.consumer_release(read_k);
-      ++read_k;
-      if (n_block == n_block_min) { q_read(); }
-      if (softcap) { apply_softcap(tSrS, softcap_pre_scale); }
-      if constexpr (kMasked) { mask.template apply</*kSeqlenKMask=*/false, /*kBandMask=*/true>(tSrS, m_block, n_block); }
-      auto scores_scale = softmax.template max_get_scale</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
-      softmax.template online_softmax</*kIsFirst=*/false, /*kCheckInf=*/kMasked>(tSrS);
-      if constexpr (Config::kSoftmaxUnderGemm1) { warpgroup_wait_all_after(softmax.row_sum); }
-      warpgroup_wait<0>();  // GEMM1 done: O can be rescaled and P overwritten
-      warpgroup_fence_operand(tOrO);
-      pipeline_v.consumer_release(read_v);
-      ++read_v;
-      softmax.rescale_o_if_changed(tOrO, scores_scale);
-      convert_p(tSrS, tOrP);
-      zero_init_o = false;
+      kv_step<decltype(masked)::value>(pipelines, read_k, read_v, scheduler, tSrQ, tSrK, tOrV, tSrS, tOrP, tOrO,
+                                       zero_init_o, mask, softmax, softcap, softcap_pre_scale, m_block, n_block,
+                                       n_block_min, q_read);
     };
 
     --n_block;
