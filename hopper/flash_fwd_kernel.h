@@ -76,8 +76,8 @@ struct FwdLaunchPolicy {
   static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage || kODirect || kOOverV;
   // Persistent while a tile spans at most this many keys; beyond, one CTA per tile. Both forms timed in one
   // process (perf-notes sections 15, 32, 39 and 47): persistent wins through 8k keys at d64 non-causal (+3%),
-  // d128 causal (+3% at 8k since chaining, equal at 16k) and d192 causal (+5-8%), through 16k at d96 (chained:
-  // +3-9% from 4k to 8k, +1-4% at 16k), through 4k at d128 non-causal (+2%) and at d64 and d256 causal (+1-5% at
+  // d128 causal (+2.8% at 8k since chaining, equal at 16k) and d192 causal (+5-8%), through 16k at d96 (chained:
+  // +4-9% from 4k to 8k, +1-4% at 16k), through 4k at d128 non-causal (+2%) and at d64 and d256 causal (+1-5% at
   // 4k once the L2 groups are equal, section 39), and loses from 2k on at d192 non-causal (-1 to -4%); beyond
   // those, the one-CTA-per-tile forms of d64 and d256 causal and d128 non-causal have taller or wider tiles
   // (sections 30, 36 and 46), which win. Elsewhere 16 K/V blocks.
