@@ -28,10 +28,12 @@ def main():
                         help="comma list of headdim:N|C:seqlen (b*s = 16k, hidden 2048)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--idle", type=float, default=1.0, help="seconds of idle GPU before each pair")
-    parser.add_argument("--heat-ms", type=float, default=0.0, help="heat before each timing (benchmark's option)")
+    parser.add_argument("--heat-ms", type=float, default=500.0, help="heat before the timing (benchmark's option)")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="the benchmark's --rounds (0: balanced interleaved rounds; 1: one do_bench each, in order)")
     args = parser.parse_args()
-    timed = make_do_bench_timer(25, 100, args.heat_ms)
-    print(f"heat {args.heat_ms:g} ms before each timing, {args.idle:g} s idle before each pair")
+    timer = make_do_bench_timer(25, 100, args.heat_ms, args.rounds)
+    print(f"heat {args.heat_ms:g} ms, rounds {args.rounds or 'balanced'}, {args.idle:g} s idle before each pair")
     print(f"{'shape':<16}{'ext first: ext/cuDNN':>28}{'cuDNN first: ext/cuDNN':>30}{'ratio ext-first / cuDNN-first':>32}")
     for spec in args.shapes.split(","):
         d, mask, s = spec.split(":")
@@ -55,7 +57,7 @@ def main():
             for ext_first in (r % 2 == 0, r % 2 != 0):
                 time.sleep(args.idle)
                 order = (ext, cudnn) if ext_first else (cudnn, ext)
-                ms = {fn: timed(fn) for fn in order}
+                ms = dict(zip(order, timer(list(order))))
                 cells[ext_first].append((flops / ms[ext] / 1e9, flops / ms[cudnn] / 1e9))
 
         def summary(pairs):

@@ -1,12 +1,14 @@
 """CPU tests of `python -m flash_ext.benchmark` (the package flash_ext/bench/): FLOPs, grid, verdicts, ratio,
 table, JSON, plot, dry run, flash_ext's support decision from a fake build_info, and the runner driven end to
 end on CPU (SDPA math / CPU flash, a deliberately wrong fake backend, a fake flash_ext forward/backward)."""
+import collections
 import copy
 import dataclasses
 import io
 import json
 import math
 import os
+import statistics
 
 import pytest
 import torch
@@ -451,8 +453,8 @@ def test_deterministic_option():
 
 
 def test_heat_option(monkeypatch):
-    """Every backend is heated before it is timed (default 500 ms; perf-notes section 47: the timing order moved
-    ratios by 2-7% without it); the titles say so; 0 turns it off; a negative value is refused."""
+    """A row's backends are heated before they are timed (default 500 ms; perf-notes section 47: the timing order
+    moved ratios by 2-7% without it); the titles say so; 0 turns it off; a negative value is refused."""
     assert _args().heat_ms == 500.0
     args = _args("--heat-ms", "0", "--quick")
     assert args.heat_ms == 0.0 and cli.config_dict(args, cli.build_grid(args), ["fwd"], ["flash_ext"])["heat_ms"] == 0.0
@@ -460,14 +462,91 @@ def test_heat_option(monkeypatch):
     assert "500 ms of heat" in cli.format_dry_run(cli.build_grid(_args()), ["fwd"], ["flash_ext"], _args())
     with pytest.raises(SystemExit):
         cli.main(["--dry-run", "--heat-ms", "-1"])
-    # heat(fn, 0) calls nothing; heat(fn, ms) runs fn in groups of 4 until ms have passed (synchronize stubbed:
-    # no GPU here).
+    # heat(fns, 0, ...) calls nothing; heat(fns, ms, ...) runs the fns in turn, each at least once, until ms have
+    # passed; a fn that raises gets its exception and runs no more (synchronize stubbed: no GPU here).
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     calls = []
-    timing.heat(lambda: calls.append(1), 0)
+    timing.heat([lambda: calls.append("a")], 0, [None])
     assert calls == []
-    timing.heat(lambda: calls.append(1), 1)
-    assert len(calls) >= 4 and len(calls) % 4 == 0
+
+    def boom():
+        calls.append("x")
+        raise RuntimeError("boom")
+
+    results = [None, None]
+    timing.heat([lambda: calls.append("a"), boom], 1, results)
+    assert calls[:2] == ["a", "x"] and calls.count("x") == 1 and calls.count("a") >= 1
+    assert results[0] is None and isinstance(results[1], RuntimeError)
+
+
+def test_balanced_orders():
+    """Every backend of a row is timed first, and right after each other backend, equally often."""
+    for n in range(1, 8):
+        orders = timing.balanced_orders(n)
+        assert len(orders) == (2 * n if n % 2 and n > 1 else n)
+        assert all(sorted(order) == list(range(n)) for order in orders)
+        firsts = collections.Counter(order[0] for order in orders)
+        pairs = collections.Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+        assert set(firsts.values()) == {len(orders) // n}
+        if n > 1:
+            assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
+
+
+def test_interleaved_timer(monkeypatch):
+    """The do_bench timer times a row's fns in interleaved rounds of balanced orders, splits warmup and rep over
+    the rounds, reports the median of each fn's rounds, and reports a failing fn's exception without stopping
+    the others; --rounds overrides the count."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    seen = []  # (fn name, warmup, rep)
+    times = {"a": iter([1.0, 9.0, 2.0, 3.0]), "b": iter([5.0, 4.0, 6.0, 100.0])}
+
+    def fake_do_bench(fn, warmup, rep, return_mode):
+        assert return_mode == "median"
+        name = fn()
+        seen.append((name, warmup, rep))
+        if name == "c":
+            raise torch.OutOfMemoryError("c ran out")
+        return next(times[name])
+
+    monkeypatch.setattr(timing, "do_bench", fake_do_bench)
+    timer = timing.make_do_bench_timer(20, 100, heat_ms=0)
+    assert timer([]) == []
+    ms = timer([lambda: "a", lambda: "b"])
+    assert [n for n, _, _ in seen] == ["a", "b", "b", "a"]  # orders [0, 1], [1, 0]
+    assert {(w, r) for _, w, r in seen} == {(10, 50)}
+    assert ms == [statistics.median([1.0, 9.0]), statistics.median([5.0, 4.0])]
+    seen.clear()
+    timer = timing.make_do_bench_timer(20, 100, heat_ms=0, rounds=4)
+    times["a"], times["b"] = iter([1.0, 9.0, 2.0, 3.0]), iter([5.0, 4.0, 6.0, 100.0])
+    ms = timer([lambda: "a", lambda: "b", lambda: "c"])
+    assert isinstance(ms[2], torch.OutOfMemoryError) and [n for n, _, _ in seen].count("c") == 1
+    assert ms[:2] == [2.5, 5.5] and len(seen) == 9 and {(w, r) for _, w, r in seen} == {(5, 25)}
+    assert _args().rounds == 0 and _args("--rounds", "3").rounds == 3
+    assert "balanced interleaved rounds" in cli.table_title("fwd", {}, _args())
+    with pytest.raises(SystemExit):
+        cli.main(["--dry-run", "--rounds", "-1"])
+
+
+def test_runner_reports_a_timing_failure():
+    """A backend that passes its check but fails while timed gets ERROR with the reason; the others keep their
+    times."""
+    cfg = runner.RunConfig(dtype="bf16")
+    bes = backends.make_backends(["sdpa_math", "sdpa_flash"], cfg) + [_WrongBackend(cfg)]
+    timed = []
+
+    def timer(fns):
+        timed.append(len(fns))
+        return [RuntimeError("timing broke") if i == 0 else 1.0 for i in range(len(fns))]
+
+    recs, fatal = runner.run_benchmark([Shape(1, 64, 64, 2, 2, 32, False)], ["fwd"], bes, cfg, torch.device("cpu"),
+                                       timer)
+    by = {r.backend: r for r in recs}
+    assert fatal is None and len(timed) == 1  # one timer call per row, the WRONG backend not in it
+    assert by["sdpa_math"].status == records.ERROR and "timing broke" in by["sdpa_math"].reason
+    assert by["sdpa_math"].ms is None and by["fake_wrong"].status == records.WRONG
+    flash = by["sdpa_flash"]
+    assert timed[0] == (2 if flash.status == records.OK else 1)
+    assert flash.status != records.OK or (flash.ms == 1.0 and flash.tflops > 0)
 
 
 def test_gqa_option():
@@ -1038,3 +1117,16 @@ def test_decode_dry_run_and_table(capsys):
     assert "400" in line and "10%" in line  # 4 MB / 10 us = 400 GB/s, 10% of 4000
     assert "1.20x" in line and "1.25x" in line  # SDPA's 12 / 10 (graph) and 15 / 12 (eager)
     assert "n/a (RuntimeError: no)" in table
+
+
+def test_decode_flush_option():
+    """--decode evicts L2 with clean lines by default (perf-notes section 48), dirty (do_bench's) on request;
+    anything else is refused."""
+    from flash_ext.bench import decode
+
+    assert _args().decode_flush == "clean" and _args("--decode-flush", "dirty").decode_flush == "dirty"
+    with pytest.raises(SystemExit):
+        _args("--decode-flush", "warm")
+    assert decode._timer("clean") is timing.clean_flush_us and decode._timer("dirty") is not timing.clean_flush_us
+    with pytest.raises(ValueError, match="flush must be one of"):
+        decode.run_decode([1], [512], 1, 32, 8, 128, torch.bfloat16, (64,), 1.0, 1.0, flush="warm")

@@ -150,12 +150,21 @@ def build_parser():
     dg.add_argument("--decode-seqlens", type=parse_int_list, default=None,
                     help="cache lengths (default 512,4k,32k,128k; batch * length above 2M tokens is skipped)")
     dg.add_argument("--page-sizes", type=parse_int_list, default=None, help="paged caches' page sizes (default 64,256)")
+    dg.add_argument("--decode-flush", choices=("clean", "dirty"), default="clean",
+                    help="how L2 is evicted before each timed call: clean = by reading 256 MB (default), dirty = by "
+                         "writing it (triton's do_bench; the call then also writes back those dirty lines, 8-9 us "
+                         "of a 50 us step: docs/perf-notes.md section 48)")
     t = p.add_argument_group("timing and checks")
     t.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up time in ms (default 25)")
     t.add_argument("--repeat-ms", type=float, default=100.0, help="do_bench measuring time in ms (default 100)")
     t.add_argument("--heat-ms", type=float, default=500.0,
-                   help="run each backend back to back this long before timing it, so that every backend is timed "
-                        "at the GPU's steady (power-limited) clock whatever ran before it (default 500; 0 = off)")
+                   help="run a row's backends in turn, back to back, this long before timing them, so that they are "
+                        "timed at the GPU's steady (power-limited) clock (default 500; 0 = off)")
+    t.add_argument("--rounds", type=int, default=0,
+                   help="time a row's backends in this many interleaved rounds, each with warmup and rep divided by "
+                        "the rounds, in balanced orders (every backend first, and right after each other one, "
+                        "equally often); a backend's time is the median over the rounds (default 0 = one round "
+                        "per order: the backends' count when even, twice it when odd)")
     t.add_argument("--math-max-gb", type=float, default=2.0,
                    help="skip SDPA math when its b*h*sq*sk*4-byte score matrix exceeds this many GiB (default 2)")
     t.add_argument("--input-scale", type=float, default=1.0, help="inputs are randn * this (default 1.0)")
@@ -248,7 +257,8 @@ def config_dict(args, shapes, modes, backend_keys):
         "backends": list(backend_keys),
         "num_shapes": len(shapes),
         "shapes": [s.to_dict() for s in shapes],
-        "timer": "triton.testing.do_bench(return_mode='median')",
+        "timer": "triton.testing.do_bench(return_mode='median'), a row's backends interleaved in balanced orders, "
+        "median over the rounds",
         "reference_slice": f"batch 0, first {REF_HEADS} query heads, all rows up to {REF_MAX_ELEMS} score "
         "elements (else the last rows)",
     }
@@ -265,13 +275,17 @@ def _variant_note(args):
     return note + (f", softcap {args.softcap:g}" if args.softcap else "")
 
 
+def _rounds_note(args):
+    return str(args.rounds) if args.rounds else "balanced"
+
+
 def format_dry_run(shapes, modes, backend_keys, args):
     lines = [
         f"flash_ext benchmark (dry run): modes {'+'.join(modes)}, "
         f"dtype {args.dtype}{_flash_ext_options_note(args, modes)}{_variant_note(args)}, {len(shapes)} shape(s), "
         f"backends {', '.join(backend_name(k) for k in backend_keys)}",
         f"timing: {args.heat_ms:g} ms of heat, then do_bench warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms, "
-        f"median; output folder {args.out}",
+        f"split over {_rounds_note(args)} interleaved rounds, median; output folder {args.out}",
     ]
     if _variant_note(args):
         columns = [backend_name(k) for k in ("flash_ext_no_window", "flash_ext_no_softcap") if k in backend_keys]
@@ -319,7 +333,8 @@ def table_title(mode, env, args):
     return (
         f"== {MODE_TITLES[mode]} | {args.dtype}{_flash_ext_options_note(args, [mode])}{_variant_note(args)} | {gpu}{clock} | "
         "TFLOP/s, median of "
-        f"do_bench (warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms) after {args.heat_ms:g} ms of heat =="
+        f"do_bench (warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms) over {_rounds_note(args)} interleaved "
+        f"rounds after {args.heat_ms:g} ms of heat =="
     )
 
 
@@ -371,10 +386,12 @@ def run_decode_cli(args, parser):
     dtype = DTYPES[args.dtype]
     rows, copy_gbs = decode.run_decode(batches, seqlens, seqlen_q, nheads, nheads_kv, headdim, dtype, page_sizes,
                                        args.warmup_ms, args.repeat_ms,
-                                       log=lambda line: print(line, file=sys.stderr, flush=True))
+                                       log=lambda line: print(line, file=sys.stderr, flush=True), flush=args.decode_flush)
     env = collect_env(torch.device("cuda", torch.cuda.current_device()))
     title = (f"== decode step | {args.dtype} | q {seqlen_q} token(s), h{nheads}/kv{nheads_kv}, d{headdim} | "
-             f"{env.get('gpu_name')} | us, median of do_bench (warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms) ==")
+             f"{env.get('gpu_name')} | us, median (warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms), L2 evicted "
+             f"before each call with {'clean' if args.decode_flush == 'clean' else 'dirty'} lines left "
+             f"({'256 MB read' if args.decode_flush == 'clean' else '256 MB written, do_bench'}) ==")
     text = decode.format_table(rows, copy_gbs, title)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.name}.txt")
@@ -398,6 +415,8 @@ def main(argv=None):
         parser.error("--warmup-ms and --repeat-ms must be positive")
     if not args.heat_ms >= 0:
         parser.error("--heat-ms must be 0 or more")
+    if args.rounds < 0:
+        parser.error("--rounds must be 0 (one per balanced order) or more")
     try:
         modes = resolve_modes(args.mode, args.dtype)
     except ValueError as e:
@@ -428,7 +447,7 @@ def main(argv=None):
         if be.unavailable:
             print(f"  {backend_name(be.key)}: skipped everywhere: {be.unavailable}", file=sys.stderr)
     if device.type == "cuda":
-        timer = make_do_bench_timer(args.warmup_ms, args.repeat_ms, args.heat_ms)
+        timer = make_do_bench_timer(args.warmup_ms, args.repeat_ms, args.heat_ms, args.rounds)
         peak_fn = lambda fn: cuda_peak_mib(fn, device)  # noqa: E731
     else:
         timer, peak_fn = cpu_timer, None

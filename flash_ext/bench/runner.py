@@ -1,6 +1,7 @@
-"""Running the benchmark: inputs per shape, then for each mode and backend: run once, check against the
-reference (a WRONG result is not timed), measure peak memory, time. Device-agnostic: the CPU tests drive
-it with a CPU timer."""
+"""Running the benchmark: inputs per shape, then for each mode: each backend runs once, is checked against the
+reference (a WRONG result is not timed) and has its peak memory measured; then the checked backends are
+timed together, interleaved by the timer so that no backend gains from its place in the order.
+Device-agnostic: the CPU tests drive it with a CPU timer."""
 import dataclasses
 import gc
 import math
@@ -96,8 +97,9 @@ def make_inputs(shape, dtype, device, scale, seed, need_dout):
     return q, k, v, dout
 
 
-def _measure(backend, rec, q, k, v, dout, scale, ref, device, timer, peak_fn, ext):
-    """Build fn, run it once, check it, then measure its peak memory and time; fills rec."""
+def _prepare(backend, rec, q, k, v, dout, scale, ref, device, peak_fn, ext):
+    """Build fn, run it once, check it, then measure its peak memory; fills rec. Returns fn, to be timed, or
+    None when rec is not to be timed (skipped or wrong)."""
     shape, mode = backend.problem(rec.shape), rec.mode
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -116,7 +118,7 @@ def _measure(backend, rec, q, k, v, dout, scale, ref, device, timer, peak_fn, ex
                 raise
             # Refused at call time (SDPA raises and gives its reasons as warnings): skipped, not an error.
             rec.status, rec.reason = SKIPPED, describe(e, caught)
-            return
+            return None
     outs = post(res)
     del res
     if ref is not None:
@@ -129,16 +131,26 @@ def _measure(backend, rec, q, k, v, dout, scale, ref, device, timer, peak_fn, ex
         ok, why = verdict(err, tol)
         if not ok:
             rec.status, rec.reason = WRONG, why
-            return
+            return None
         rec.note = ref.note
     del outs
     rec.peak_mib = peak_fn(fn) if peak_fn else None
-    rec.ms = timer(fn)
-    rec.tflops = tflops(rec.flops, rec.ms)
+    return fn
 
 
-def run_backend(backend, mode, q, k, v, dout, shape, scale, ref, device, timer, peak_fn, ext):
-    """One backend, one mode, one shape (a row of the table) -> Record. Raises only FatalDeviceError.
+def _in_context(backend, fn):
+    """fn run inside the backend's context (SDPA's backend choice is made at call time)."""
+
+    def run():
+        with backend.context():
+            return fn()
+
+    return run
+
+
+def prepare_backend(backend, mode, q, k, v, dout, shape, scale, ref, device, peak_fn, ext):
+    """One backend, one mode, one shape (a cell of the table) -> (Record, fn to time or None): run, checked,
+    peak memory measured, not yet timed. Raises only FatalDeviceError.
 
     The backend computes backend.problem(shape) (the row's shape, or it without its window or softcap for
     flash_ext's comparison columns): its FLOPs count, and ref is its reference. ext: a dict shared by the
@@ -146,15 +158,15 @@ def run_backend(backend, mode, q, k, v, dout, shape, scale, ref, device, timer, 
     rec = Record(shape=shape, mode=mode, backend=backend.key, flops=attention_flops(backend.problem(shape), mode))
     if backend.unavailable:
         rec.status, rec.reason = SKIPPED, backend.unavailable
-        return rec
+        return rec, None
     refusal = backend.refuse(shape, mode)
     if refusal:
         rec.status, rec.reason = refusal
-        return rec
-    oom = False
+        return rec, None
+    oom, fn = False, None
     try:
         with backend.context():
-            _measure(backend, rec, q, k, v, dout, scale, ref, device, timer, peak_fn, ext)
+            fn = _prepare(backend, rec, q, k, v, dout, scale, ref, device, peak_fn, ext)
     except torch.OutOfMemoryError as e:
         rec.status, rec.reason = OOM, describe(e)
         oom = True
@@ -164,7 +176,21 @@ def run_backend(backend, mode, q, k, v, dout, shape, scale, ref, device, timer, 
         rec.status, rec.reason = ERROR, describe(e)
     if oom:  # freed here, once the exception (whose frames hold the tensors) is gone
         free(device)
-    return rec
+    return rec, (_in_context(backend, fn) if fn is not None else None)
+
+
+def time_backends(recs, fns, timer):
+    """Times the prepared fns together (the timer interleaves them) and fills their records' ms and TFLOP/s;
+    a backend that fails while timed gets its error. Raises only FatalDeviceError."""
+    results = timer(fns)
+    for rec, res in zip(recs, results):
+        if isinstance(res, BaseException):
+            if is_fatal(res):
+                raise FatalDeviceError(describe(res))
+            rec.status, rec.reason = (OOM if isinstance(res, torch.OutOfMemoryError) else ERROR), describe(res)
+        else:
+            rec.ms = res
+            rec.tflops = tflops(rec.flops, rec.ms)
 
 
 def problem_inputs(problem, tensors):
@@ -221,22 +247,29 @@ def run_shape(shape, shape_idx, modes, backends, cfg, device, timer, peak_fn, pr
         if refs[problem][0] is None:
             free(device)
     for mode in modes:
-        mode_recs = []
+        mode_recs, to_time = [], []  # to_time: (record, fn) of the backends checked and waiting for the timer
         exts = {problem: {} for problem in refs}
         for be in backends:
             progress.show(shape_idx, shape, mode, be.key)
             problem = problems[be.key]
             ref, ref_note = refs[problem]
             try:
-                rec = run_backend(be, mode, *inputs[problem], shape, scale, ref, device, timer, peak_fn,
-                                  exts[problem])
+                rec, fn = prepare_backend(be, mode, *inputs[problem], shape, scale, ref, device, peak_fn,
+                                          exts[problem])
             except FatalDeviceError as e:
                 rec = Record(shape, mode, be.key, status=ERROR, reason=str(e), flops=attention_flops(problem, mode))
                 raise FatalDeviceError(str(e), records + mode_recs + [rec]) from e
             if ref_note and rec.status == OK:
                 rec.note = ref_note
             mode_recs.append(rec)
+            if fn is not None:
+                to_time.append((rec, fn))
             progress.step()
+        try:
+            time_backends([rec for rec, _ in to_time], [fn for _, fn in to_time], timer)
+        except FatalDeviceError as e:
+            raise FatalDeviceError(str(e), records + mode_recs) from e
+        del to_time
         progress.shape_done(shape_idx, shape, mode, mode_recs)
         records.extend(mode_recs)
     return records
