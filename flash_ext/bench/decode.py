@@ -5,7 +5,8 @@ bandwidth a device-to-device copy reaches in the same run.
 Per (batch, cache length): q (batch, seqlen_q, nheads, headdim), a full cache of that length (and, where the
 build has the kernel, the same cache in FP8, "flash_ext fp8": q and caches cast to e4m3, descales of 1, bf16
 out; it reads half the bytes, so its ratio to SDPA's 16-bit backends is a different computation's); times are
-do_bench medians (CUDA events, L2 flushed) of
+medians over calls timed with CUDA events, L2 evicted before each call (by reading 256 MB: timing.clean_flush_us;
+`flush="dirty"`: by writing it, triton's do_bench, whose dirty lines the timed call must write back) of
 - "graph": one call captured in a CUDA graph and replayed (kernel time, as a decoder under
   torch.compile(mode="reduce-overhead") runs it),
 - "eager": the Python call itself (host and launch overhead included when they exceed the GPU time);
@@ -18,7 +19,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from .timing import host_us_per_call
+from .timing import clean_flush_us, host_us_per_call
 
 DEFAULT_BATCHES = (1, 8, 64)
 DEFAULT_CACHE_LENS = (512, 4096, 32768, 131072)
@@ -26,10 +27,20 @@ DEFAULT_PAGE_SIZES = (64, 256)
 MAX_CACHE_TOKENS = 2 * 1024 * 1024  # batch * cache length: skip larger (b64 x 128k would be 34 GB of K/V)
 
 
-def _do_bench(fn, warmup_ms, rep_ms):
-    from triton.testing import do_bench
+FLUSHES = ("clean", "dirty")
 
-    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3  # us
+
+def _timer(flush):
+    """(fn, warmup_ms, rep_ms) -> median us, L2 evicted before each call with clean or dirty lines left."""
+    if flush == "clean":
+        return clean_flush_us
+
+    def dirty(fn, warmup_ms, rep_ms):
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+
+    return dirty
 
 
 def _graphed(fn):
@@ -92,12 +103,16 @@ def _candidates(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype, p
 
 
 def run_decode(batches, cache_lens, seqlen_q, nheads, nheads_kv, headdim, dtype, page_sizes, warmup_ms, rep_ms,
-               log=print):
-    """Returns rows (dicts) and the copy bandwidth; log() gets progress lines."""
+               log=print, flush="clean"):
+    """Returns rows (dicts) and the copy bandwidth; log() gets progress lines. flush: how L2 is evicted before
+    each timed call (FLUSHES; the copy is timed the same way)."""
     import warnings
 
     from torch.nn.attention import sdpa_kernel
 
+    if flush not in FLUSHES:
+        raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
+    _do_bench = _timer(flush)
     rows = []
     copy_src = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
     copy_dst = torch.empty_like(copy_src)
