@@ -5,16 +5,15 @@ lines; the timed call then pays for writing them back to HBM while it reads its 
 reads 134 MB (b8 L4096 h32/kv8 d128), so 50-60 MB of write-back would be a third of its traffic; a large
 copy (512 MB of traffic) barely notices. This times one CUDA-graph replay of flash_ext's decode step, SDPA
 cuDNN's, and a 256 MB D2D copy with CUDA events around each call, after three flushes:
-  write  zero a 256 MB buffer (triton's do_bench: L2 left dirty)
-  read   read a 256 MB buffer (L2 left holding clean lines)
+  dirty  zero a 256 MB buffer (triton's do_bench: L2 left dirty)
+  clean  read a 256 MB buffer (L2 left holding clean lines; the decode benchmark's default)
   none   nothing (L2 holds the previous call's lines; more than L2 is read, so most are gone anyway)
 and prints the median us and K/V bandwidth of each, and the ratio to the copy's bandwidth under the same flush.
 
-    PYTHONPATH=$PWD python3 scripts/decode_flush_probe.py [--shapes 8:4096,1:32768,8:512] [--reps 200]
+    PYTHONPATH=$PWD python3 scripts/decode_flush_probe.py [--shapes 8:4096,1:32768,8:512] [--rep-ms 100]
 """
 import argparse
 import contextlib
-import statistics
 import warnings
 
 import torch
@@ -23,36 +22,24 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext
 from flash_ext.bench.decode import _graphed, decode_inputs
-
-
-def timed_us(fn, flush, reps):
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for _ in range(10):
-        flush()
-        fn()
-    for s, e in zip(starts, ends):
-        flush()
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+from flash_ext.bench.timing import L2_FLUSHES, flushed_us, l2_flush
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="8:4096,1:32768,8:512,64:4096", help="batch:cache_len,...")
-    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--rep-ms", type=float, default=100.0)
     args = parser.parse_args()
-    buf = torch.empty(64 * 1024 * 1024, dtype=torch.float32, device="cuda")  # 256 MB
-    buf.normal_()
-    flushes = {"write": lambda: buf.zero_(), "read": lambda: buf.amax(), "none": lambda: None}
+    flushes = {kind: l2_flush(kind) for kind in L2_FLUSHES}
+
+    def timed_us(fn, flush):
+        return flushed_us(fn, 25.0, args.rep_ms, flush)
+
     src = torch.randn(64 * 1024 * 1024, device="cuda")
     dst = torch.empty_like(src)
     copy_gbs = {}
     for name, flush in flushes.items():
-        us = timed_us(lambda: dst.copy_(src), flush, args.reps)
+        us = timed_us(lambda: dst.copy_(src), flush)
         copy_gbs[name] = 2 * src.numel() * 4 / us / 1e3
     del src, dst
     print("D2D copy 256 MB, GB/s (read + write): " + ", ".join(f"{k} {v:.0f}" for k, v in copy_gbs.items()))
@@ -74,7 +61,7 @@ def main():
                 replay = _graphed(fn)
                 cells = []
                 for fname, flush in flushes.items():
-                    us = timed_us(replay, flush, args.reps)
+                    us = timed_us(replay, flush)
                     cells.append(f"{us:>10.1f}{100 * kv_bytes / us / 1e3 / copy_gbs[fname]:>6.0f}%")
             print(f"b{batch} L{cache_len:<9}{name:<12}" + "".join(cells), flush=True)
         del q, k, v, qt, kt, vt, cands

@@ -1127,6 +1127,9 @@ def test_decode_flush_option():
     assert _args().decode_flush == "clean" and _args("--decode-flush", "dirty").decode_flush == "dirty"
     with pytest.raises(SystemExit):
         _args("--decode-flush", "warm")
-    assert decode._timer("clean") is timing.clean_flush_us and decode._timer("dirty") is not timing.clean_flush_us
-    with pytest.raises(ValueError, match="flush must be one of"):
-        decode.run_decode([1], [512], 1, 32, 8, 128, torch.bfloat16, (64,), 1.0, 1.0, flush="warm")
+    assert decode.FLUSHES == ("clean", "dirty") and set(decode.FLUSHES) < set(timing.L2_FLUSHES)
+    for bad in (lambda: decode.run_decode([1], [512], 1, 32, 8, 128, torch.bfloat16, (64,), 1.0, 1.0, flush="warm"),
+                lambda: timing.l2_flush("warm")):
+        with pytest.raises(ValueError, match="flush must be one of"):
+            bad()
+    assert timing.l2_flush("none")() is None

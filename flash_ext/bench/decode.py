@@ -5,8 +5,8 @@ bandwidth a device-to-device copy reaches in the same run.
 Per (batch, cache length): q (batch, seqlen_q, nheads, headdim), a full cache of that length (and, where the
 build has the kernel, the same cache in FP8, "flash_ext fp8": q and caches cast to e4m3, descales of 1, bf16
 out; it reads half the bytes, so its ratio to SDPA's 16-bit backends is a different computation's); times are
-medians over calls timed with CUDA events, L2 evicted before each call (by reading 256 MB: timing.clean_flush_us;
-`flush="dirty"`: by writing it, triton's do_bench, whose dirty lines the timed call must write back) of
+medians over calls timed with CUDA events, L2 evicted before each call (timing.flushed_us: by reading 256 MB,
+or with flush="dirty" by writing it as triton's do_bench does, whose dirty lines the timed call must write back) of
 - "graph": one call captured in a CUDA graph and replayed (kernel time, as a decoder under
   torch.compile(mode="reduce-overhead") runs it),
 - "eager": the Python call itself (host and launch overhead included when they exceed the GPU time);
@@ -19,7 +19,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from .timing import clean_flush_us, host_us_per_call
+from .timing import flushed_us, host_us_per_call, l2_flush
 
 DEFAULT_BATCHES = (1, 8, 64)
 DEFAULT_CACHE_LENS = (512, 4096, 32768, 131072)
@@ -32,15 +32,10 @@ FLUSHES = ("clean", "dirty")
 
 def _timer(flush):
     """(fn, warmup_ms, rep_ms) -> median us, L2 evicted before each call with clean or dirty lines left."""
-    if flush == "clean":
-        return clean_flush_us
-
-    def dirty(fn, warmup_ms, rep_ms):
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
-
-    return dirty
+    if flush not in FLUSHES:
+        raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
+    evict = l2_flush(flush)
+    return lambda fn, warmup_ms, rep_ms: flushed_us(fn, warmup_ms, rep_ms, evict)
 
 
 def _graphed(fn):
@@ -110,13 +105,11 @@ def run_decode(batches, cache_lens, seqlen_q, nheads, nheads_kv, headdim, dtype,
 
     from torch.nn.attention import sdpa_kernel
 
-    if flush not in FLUSHES:
-        raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
-    _do_bench = _timer(flush)
+    timed_us = _timer(flush)
     rows = []
     copy_src = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
     copy_dst = torch.empty_like(copy_src)
-    copy_us = _do_bench(lambda: copy_dst.copy_(copy_src), warmup_ms, rep_ms)
+    copy_us = timed_us(lambda: copy_dst.copy_(copy_src), warmup_ms, rep_ms)
     copy_gbs = 2 * copy_src.numel() / copy_us / 1e3  # read + write
     del copy_src, copy_dst
     for batch in batches:
@@ -132,10 +125,10 @@ def run_decode(batches, cache_lens, seqlen_q, nheads, nheads_kv, headdim, dtype,
                         warnings.simplefilter("ignore")
                         fn()
                         torch.cuda.synchronize()
-                        row["eager_us"] = _do_bench(fn, warmup_ms, rep_ms)
+                        row["eager_us"] = timed_us(fn, warmup_ms, rep_ms)
                         row["host_us"] = host_us_per_call(fn)
                         replay = _graphed(fn)
-                        row["graph_us"] = _do_bench(replay, warmup_ms, rep_ms)
+                        row["graph_us"] = timed_us(replay, warmup_ms, rep_ms)
                 except Exception as e:  # a backend that does not take this shape
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
                 rows.append(row)

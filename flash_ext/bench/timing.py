@@ -81,24 +81,29 @@ def make_do_bench_timer(warmup_ms, rep_ms, heat_ms=0.0, rounds=0):
 
 
 _FLUSH_BYTES = 256 * 1024 * 1024
-_flush_buffers = {}  # device index -> the 256 MB buffer that clean_flush_us reads
+_flush_buffers = {}  # device index -> the 256 MB buffer that the flushes read or write
+L2_FLUSHES = ("clean", "dirty", "none")
 
 
-def clean_flush_us(fn, warmup_ms, rep_ms):
-    """Median us of fn, timed as triton's do_bench times it (CUDA events around each call, L2 evicted before
-    each, call counts from a 5-call estimate), except that L2 is evicted by reading 256 MB instead of writing
-    it. do_bench's write leaves L2 full of dirty lines, whose write-back to HBM the timed call then pays for:
-    8-9 us of a 50 us decoding step that reads 134 MB (docs/perf-notes.md section 48), where a model's step
-    follows kernels that leave little dirty data. Reading leaves L2 holding clean lines, which cost nothing
-    to evict."""
+def l2_flush(kind):
+    """A callable that evicts L2 before a timed call: "clean" reads 256 MB, leaving L2 holding clean lines;
+    "dirty" writes it (triton's do_bench), leaving dirty lines whose write-back to HBM the timed call then
+    pays for: 8-9 us of a 50 us decoding step that reads 134 MB (docs/perf-notes.md section 48), where a
+    model's step follows kernels that leave little dirty data; "none" does nothing."""
+    if kind not in L2_FLUSHES:
+        raise ValueError(f"flush must be one of {L2_FLUSHES}, got {kind!r}")
+    if kind == "none":
+        return lambda: None
     device = torch.cuda.current_device()
     if device not in _flush_buffers:
         _flush_buffers[device] = torch.zeros(_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
     buf = _flush_buffers[device]
+    return buf.amax if kind == "clean" else buf.zero_
 
-    def flush():
-        buf.amax()
 
+def flushed_us(fn, warmup_ms, rep_ms, flush):
+    """Median us of fn, timed as triton's do_bench times it (CUDA events around each call, flush() before
+    each, call counts from a 5-call estimate), with the flush given (l2_flush)."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
