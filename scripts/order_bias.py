@@ -2,11 +2,11 @@
 
 The GPU runs at its power limit under load, and the limit acts over about a second, so a backend timed right
 after low-power work (the benchmark's float64 reference, SDPA's math backend) can see a higher clock than one
-timed right after a heavy kernel. The benchmark times flash_ext first on every shape. This times flash_ext
-and SDPA cuDNN as the benchmark does (do_bench, warm-up 25 ms, 100 ms), each pair after `--idle` seconds of
-idle GPU, in both orders, several times, and prints flash_ext / cuDNN for each order. With --heat-ms, each
-backend is first run back to back that long (the benchmark's --heat-ms, flash_ext/bench/timing.py), which
-should make the order not matter.
+timed right after a heavy kernel. This times flash_ext and SDPA cuDNN as the benchmark does, each pair after
+`--idle` seconds of idle GPU, in both orders, several times, and prints flash_ext / cuDNN for each order.
+`--rounds 0` (default) is the benchmark's timer (flash_ext/bench/timing.py: --heat-ms of heat, then balanced
+interleaved rounds), which should make the order not matter; `--rounds 1` is the benchmark before it (one
+do_bench each, warm-up 25 ms, 100 ms, in the order given, after the heat).
 
     PYTHONPATH=$PWD python3 scripts/order_bias.py --shapes 128:N:8192,128:N:512 --repeats 3 [--heat-ms 500]
 """

@@ -30,7 +30,7 @@ MAX_CACHE_TOKENS = 2 * 1024 * 1024  # batch * cache length: skip larger (b64 x 1
 FLUSHES = ("clean", "dirty")
 
 
-def _timer(flush):
+def make_timer(flush):
     """(fn, warmup_ms, rep_ms) -> median us, L2 evicted before each call with clean or dirty lines left."""
     if flush not in FLUSHES:
         raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
@@ -105,7 +105,7 @@ def run_decode(batches, cache_lens, seqlen_q, nheads, nheads_kv, headdim, dtype,
 
     from torch.nn.attention import sdpa_kernel
 
-    timed_us = _timer(flush)
+    timed_us = make_timer(flush)
     rows = []
     copy_src = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
     copy_dst = torch.empty_like(copy_src)
