@@ -45,19 +45,24 @@ struct DecodeLauncher {
     return n;
   }
 
-  // num_splits, or with 0 the heuristic: enough CTAs for one full wave of the GPU, from the shapes alone
-  // (no device values are read, so CUDA graphs replay with any lengths), each warp at least
-  // kMinBlocksPerWarp blocks of 16 keys of the cache's capacity (fewer and the split's fixed costs, its
-  // pipeline's first loads and the combine, outweigh the parallelism: docs/perf-notes.md section 25).
   static constexpr int kMinBlocksPerWarp = 4;
   static constexpr int kMaxHeuristicSplits = 32;
+  // No split where the unsplit grid already covers this share of the SMs (in percent) and a sequence holds at
+  // most kOneSplitMaxKeys keys: half the SMs, each reading its whole sequence, already read at about 90% of
+  // the GPU's bandwidth, and a split's fixed cost (the parts written and read back, the combine) is about
+  // 5 us. h32/kv8 d128 b8 (64 CTAs) L1k / 2k / 4k: 16.4 / 24.3 / 39.8 us unsplit against 19.5 / 27.5 / 42.2 in
+  // two; from 16k keys two splits win (130.7 against 137.0); 32 CTAs want splits at any length
+  // (docs/perf-notes.md section 48).
+  static constexpr int kOneSplitMinSmPercent = 40;
+  static constexpr int kOneSplitMaxKeys = 4096;
 
   // How a call runs: CTAs of 8 warps (one per SM) when the (sequence, KV head, row tile) triples fit in one
   // CTA per SM, else of 4 warps (two per SM, so that one CTA's loads overlap another's epilogue); the splits
-  // are then num_splits, or with 0 the heuristic: enough CTAs for one full wave of the GPU, from the shapes
-  // alone (no device values are read, so CUDA graphs replay with any lengths), each warp at least
-  // kMinBlocksPerWarp blocks of 16 keys of the cache's capacity (fewer and a split's fixed costs, its
-  // pipeline's first loads and the combine, outweigh the parallelism: docs/perf-notes.md section 25).
+  // are then num_splits, or with 0 the heuristic, from the shapes alone (no device values are read, so CUDA
+  // graphs replay with any lengths): none where the grid covers enough SMs for short sequences (above),
+  // else enough CTAs for one full wave of the GPU, each warp at least kMinBlocksPerWarp blocks of 16 keys of
+  // the cache's capacity (fewer and a split's fixed costs, its pipeline's first loads and the combine,
+  // outweigh the parallelism: docs/perf-notes.md section 25).
   struct Plan {
     int warps, splits;
   };
@@ -68,6 +73,7 @@ struct DecodeLauncher {
     bool const eight = Config::kMaxWarpsFit && (p.num_splits > 0 ? ctas * p.num_splits : ctas) <= sms;
     int const warps = eight ? Config::kMaxWarps : Config::kWarps;
     if (p.num_splits > 0) return {warps, std::min(p.num_splits, kMaxDecodeSplits)};
+    if (ctas * 100 >= sms * kOneSplitMinSmPercent && p.seqlen_k <= kOneSplitMaxKeys) return {warps, 1};
     int64_t const slots = eight ? sms : sms * ctas_per_sm(device);
     int const key_blocks = (p.seqlen_k + Config::kBlockN - 1) / Config::kBlockN;
     int64_t const useful = std::max(key_blocks / (kMinBlocksPerWarp * warps), 1);
