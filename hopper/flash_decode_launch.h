@@ -47,12 +47,13 @@ struct DecodeLauncher {
 
   static constexpr int kMinBlocksPerWarp = 4;
   static constexpr int kMaxHeuristicSplits = 32;
-  // No split where the unsplit grid already covers this share of the SMs (in percent) and a sequence holds at
-  // most kOneSplitMaxKeys keys: half the SMs, each reading its whole sequence, already read at about 90% of
-  // the GPU's bandwidth, and a split's fixed cost (the parts written and read back, the combine) is about
-  // 5 us. h32/kv8 d128 b8 (64 CTAs) L1k / 2k / 4k: 16.4 / 24.3 / 39.8 us unsplit against 19.5 / 27.5 / 42.2 in
-  // two; from 16k keys two splits win (130.7 against 137.0); 32 CTAs want splits at any length
-  // (docs/perf-notes.md section 48).
+  // 16-bit caches: no split where the unsplit grid already covers this share of the SMs (in percent) and a
+  // sequence holds at most kOneSplitMaxKeys keys: half the SMs, each reading its whole sequence, already read
+  // at about 90% of the GPU's bandwidth, and a split's fixed cost (the parts written and read back, the
+  // combine) is about 5 us. h32/kv8 d128 b8 (64 CTAs) L1k / 2k / 4k: 16.4 / 24.3 / 39.8 us unsplit against
+  // 19.5 / 27.5 / 42.2 in two; from 16k keys two splits win (130.7 against 137.0); 32 CTAs want splits at
+  // any length. Not FP8 caches, whose CTAs widen every element before its MMA and read less per SM:
+  // b8 L4096 35.1 us unsplit against 29.4 (docs/perf-notes.md section 48).
   static constexpr int kOneSplitMinSmPercent = 40;
   static constexpr int kOneSplitMaxKeys = 4096;
 
@@ -73,7 +74,9 @@ struct DecodeLauncher {
     bool const eight = Config::kMaxWarpsFit && (p.num_splits > 0 ? ctas * p.num_splits : ctas) <= sms;
     int const warps = eight ? Config::kMaxWarps : Config::kWarps;
     if (p.num_splits > 0) return {warps, std::min(p.num_splits, kMaxDecodeSplits)};
-    if (ctas * 100 >= sms * kOneSplitMinSmPercent && p.seqlen_k <= kOneSplitMaxKeys) return {warps, 1};
+    if (!Config::kFp8 && ctas * 100 >= sms * kOneSplitMinSmPercent && p.seqlen_k <= kOneSplitMaxKeys) {
+      return {warps, 1};
+    }
     int64_t const slots = eight ? sms : sms * ctas_per_sm(device);
     int const key_blocks = (p.seqlen_k + Config::kBlockN - 1) / Config::kBlockN;
     int64_t const useful = std::max(key_blocks / (kMinBlocksPerWarp * warps), 1);
