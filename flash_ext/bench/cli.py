@@ -10,6 +10,7 @@ import torch
 
 from .backends import BACKENDS, fa3_importable, flash_ext_has_backward, make_backends, padded_length
 from .check import REF_HEADS, REF_MAX_ELEMS
+from .decode import FLUSHES as DECODE_FLUSHES
 from .env import collect_env, nvidia_smi
 from .jsonfile import write_json
 from .plot import write_plot
@@ -150,7 +151,7 @@ def build_parser():
     dg.add_argument("--decode-seqlens", type=parse_int_list, default=None,
                     help="cache lengths (default 512,4k,32k,128k; batch * length above 2M tokens is skipped)")
     dg.add_argument("--page-sizes", type=parse_int_list, default=None, help="paged caches' page sizes (default 64,256)")
-    dg.add_argument("--decode-flush", choices=("clean", "dirty"), default="clean",
+    dg.add_argument("--decode-flush", choices=DECODE_FLUSHES, default="clean",
                     help="how L2 is evicted before each timed call: clean = by reading 256 MB (default), dirty = by "
                          "writing it (triton's do_bench; the call then also writes back those dirty lines, 8-9 us "
                          "of a 50 us step: docs/perf-notes.md section 48)")
@@ -390,7 +391,7 @@ def run_decode_cli(args, parser):
     env = collect_env(torch.device("cuda", torch.cuda.current_device()))
     title = (f"== decode step | {args.dtype} | q {seqlen_q} token(s), h{nheads}/kv{nheads_kv}, d{headdim} | "
              f"{env.get('gpu_name')} | us, median (warmup {args.warmup_ms:g} ms, rep {args.repeat_ms:g} ms), L2 evicted "
-             f"before each call with {'clean' if args.decode_flush == 'clean' else 'dirty'} lines left "
+             f"before each call with {args.decode_flush} lines left "
              f"({'256 MB read' if args.decode_flush == 'clean' else '256 MB written, do_bench'}) ==")
     text = decode.format_table(rows, copy_gbs, title)
     os.makedirs(args.out, exist_ok=True)

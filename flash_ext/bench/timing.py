@@ -33,8 +33,8 @@ def heat(fns, ms, results):
 
 def balanced_orders(n):
     """Orders of 0..n-1 in which every item comes first equally often and right after every other item
-    equally often (a Williams design): n orders for even n (and n = 1), 2n for odd n. Rotations alone would not do:
-    they keep each item's predecessor the same in every order but one."""
+    equally often (a Williams design): n orders for even n (and n = 1), 2n for odd n. Rotations alone would
+    not do: they keep each item's predecessor the same in every order but one."""
     seq, low, high = [0], 1, n - 1
     while len(seq) < n:
         seq.append(low)
@@ -54,7 +54,8 @@ def make_do_bench_timer(warmup_ms, rep_ms, heat_ms=0.0, rounds=0):
     do_bench with warmup_ms / rounds and rep_ms / rounds, in the orders of balanced_orders (rounds = 0: one
     round per order; more cycle through them): every fn runs first equally often and right after each other
     fn equally often, so the power state each leaves to the next (section 47: up to 7% for whoever ran
-    first) weighs on all alike. A fn's time is the median of its rounds' medians. A fn that raises is dropped from later rounds and reports its exception."""
+    first) weighs on all alike. A fn's time is the median of its rounds' medians. A fn that raises is dropped
+    from later rounds and reports its exception."""
 
     def timer(fns):
         n = len(fns)
