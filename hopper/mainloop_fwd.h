@@ -556,21 +556,7 @@ struct FwdMainloop {
                                          n_block_min, q_read);
       };
 
-      int n_block = n_block_max - 2;
-      if constexpr (kIsCausal) {
-        // The blocks crossing the band's right edge, those inside it, then those crossing its left edge: two
-        // passes over one masked and one unmasked loop, so that each kind of step is compiled once.
-        int masked_end = max(n_block_min, blocks.n_block_right_masked(m_block));
-        int const unmasked_end = max(n_block_min, blocks.n_block_left_unmasked(m_block));
-#pragma unroll 1
-        for (int pass = 0; pass < 2; ++pass) {
-          for (; n_block >= masked_end; --n_block) { step(n_block, cute::true_type{}); }
-          for (; n_block >= unmasked_end; --n_block) { step(n_block, cute::false_type{}); }
-          masked_end = n_block_min;
-        }
-      } else {
-        for (; n_block >= 0; --n_block) { step(n_block, cute::false_type{}); }
-      }
+      blocks.for_each_block_down(n_block_max - 2, n_block_min, m_block, step);
     }
 
     // GEMM1 of the tile's last block, waited for (a tile followed by none, or by one that sees no key).
@@ -676,20 +662,7 @@ struct FwdMainloop {
 
     --n_block;
     scheduler.start();
-    if constexpr (kIsCausal) {
-      // The blocks crossing the band's right edge, those inside it, then those crossing its left edge: two
-      // passes over one masked and one unmasked loop, so that each kind of step is compiled once.
-      int masked_end = max(n_block_min, blocks.n_block_right_masked(m_block));
-      int const unmasked_end = max(n_block_min, blocks.n_block_left_unmasked(m_block));
-#pragma unroll 1
-      for (int pass = 0; pass < 2; ++pass) {
-        for (; n_block >= masked_end; --n_block) { step(n_block, cute::true_type{}); }
-        for (; n_block >= unmasked_end; --n_block) { step(n_block, cute::false_type{}); }
-        masked_end = n_block_min;
-      }
-    } else {
-      for (; n_block >= 0; --n_block) { step(n_block, cute::false_type{}); }
-    }
+    blocks.for_each_block_down(n_block, n_block_min, m_block, step);
     scheduler.finish();
 
     // GEMM1 of the last block.

@@ -63,6 +63,25 @@ struct BlockRange {
   __device__ __forceinline__ int n_block_left_unmasked(int m_block) const {
     return ceil_div(max(0, (m_block + 1) * kBlockM - 1 + band.offset() - band.left), kBlockN);
   }
+  // Forward: step(n, masked) for the K/V blocks n = n_block down to n_block_min, masked a cute::true_type
+  // where the block holds a key outside some row's band. Banded: the blocks crossing the band's right edge,
+  // those inside it, then those crossing its left edge, as two passes over one masked and one unmasked loop,
+  // so that the caller's step is compiled once of each kind. Not banded: every block down to 0, unmasked.
+  template <class Step>
+  __device__ __forceinline__ void for_each_block_down(int n_block, int n_block_min, int m_block, Step&& step) const {
+    if constexpr (kBanded) {
+      int masked_end = max(n_block_min, n_block_right_masked(m_block));
+      int const unmasked_end = max(n_block_min, n_block_left_unmasked(m_block));
+#pragma unroll 1
+      for (int pass = 0; pass < 2; ++pass) {
+        for (; n_block >= masked_end; --n_block) { step(n_block, cute::true_type{}); }
+        for (; n_block >= unmasked_end; --n_block) { step(n_block, cute::false_type{}); }
+        masked_end = n_block_min;
+      }
+    } else {
+      for (; n_block >= 0; --n_block) { step(n_block, cute::false_type{}); }
+    }
+  }
 
   // Backward: K/V block n_block contributes to the query blocks [m_block_min, m_block_max).
   __device__ __forceinline__ int m_block_min(int n_block) const {
