@@ -482,8 +482,9 @@ FLASH_EXT_LIBRARY(FLASH_EXT_OPS_NAMESPACE, m) {
   m.def("build_info() -> str", &build_info);
 }
 
-// CUDA runs the kernels; CPU tensors get the same argument checks, which end in "needs CUDA tensors".
-FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CUDA, m) {
+// The same functions serve both dispatch keys: CUDA runs the kernels; CPU tensors get the same argument
+// checks, which end in "needs CUDA tensors".
+static void impl_ops(torch::Library& m) {
   m.impl("fwd", &mha_fwd);
   m.impl("bwd", &mha_bwd);
   m.impl("bwd_out", &mha_bwd_out);
@@ -491,14 +492,8 @@ FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CUDA, m) {
   m.impl("bwd_varlen", &mha_bwd_varlen);
   m.impl("decode", &mha_decode);
 }
-FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CPU, m) {
-  m.impl("fwd", &mha_fwd);
-  m.impl("bwd", &mha_bwd);
-  m.impl("bwd_out", &mha_bwd_out);
-  m.impl("fwd_varlen", &mha_fwd_varlen);
-  m.impl("bwd_varlen", &mha_bwd_varlen);
-  m.impl("decode", &mha_decode);
-}
+FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CUDA, m) { impl_ops(m); }
+FLASH_EXT_LIBRARY_IMPL(FLASH_EXT_OPS_NAMESPACE, CPU, m) { impl_ops(m); }
 
 // `import flash_ext._C` loads this library, whose static initialisers above register the ops. The module
 // itself is empty; it exists so that the stable (abi3) Python API is all this file links against. It is
