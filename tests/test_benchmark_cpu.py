@@ -1119,6 +1119,26 @@ def test_decode_dry_run_and_table(capsys):
     assert "n/a (RuntimeError: no)" in table
 
 
+def test_decode_paged_cache():
+    """The decode benchmark's paged cache holds every key of the contiguous one, in the page its table names, for
+    16-bit and FP8 caches; a page size that does not divide the length is refused."""
+    from flash_ext.bench import decode
+
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        k = torch.randn(2, 256, 3, 8).to(dtype)
+        v = torch.randn(2, 256, 3, 8).to(dtype)
+        k_pages, v_pages, table = decode.paged_cache(k, v, 64)
+        assert table.dtype == torch.int32 and tuple(table.shape) == (2, 4) and k_pages.dtype == dtype
+        assert sorted(table.flatten().tolist()) == list(range(8))
+        for b in range(2):
+            for key in (0, 63, 64, 200, 255):
+                page, row = table[b, key // 64].item(), key % 64
+                assert torch.equal(k_pages[page, row].view(torch.uint8), k[b, key].view(torch.uint8))
+                assert torch.equal(v_pages[page, row].view(torch.uint8), v[b, key].view(torch.uint8))
+    with pytest.raises(ValueError, match="does not divide"):
+        decode.paged_cache(k, v, 96)
+
+
 def test_decode_flush_option():
     """--decode evicts L2 with clean lines by default (perf-notes section 48), dirty (do_bench's) on request;
     anything else is refused."""

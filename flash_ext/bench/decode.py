@@ -59,6 +59,21 @@ def decode_inputs(batch, seqlen_q, cache_len, nheads=32, nheads_kv=8, headdim=12
     return q, k_cache, v_cache, torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
 
 
+def paged_cache(k_cache, v_cache, page_size):
+    """The cache's keys in pages of page_size, in shuffled order: (k_pages, v_pages, page_table int32 (batch,
+    pages)). The cache length must be a multiple of page_size."""
+    batch, seqlen, nheads_kv, headdim = k_cache.shape
+    pages = seqlen // page_size
+    if pages * page_size != seqlen:
+        raise ValueError(f"page size {page_size} does not divide the cache length {seqlen}")
+    order = torch.randperm(batch * pages, device=k_cache.device)
+    k_pages, v_pages = (torch.empty(batch * pages, page_size, nheads_kv, headdim, device=k_cache.device,
+                                    dtype=k_cache.dtype) for _ in range(2))
+    for pages_of, cache in ((k_pages, k_cache), (v_pages, v_cache)):  # as bytes: index_put has no fp8
+        pages_of.view(torch.uint8)[order] = cache.view(torch.uint8).reshape(batch * pages, page_size, nheads_kv, -1)
+    return k_pages, v_pages, order.view(batch, pages).to(torch.int32)
+
+
 def _candidates(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype, page_sizes):
     """(name, fn, sdpa_backend or None, K/V bytes read) for one shape; tensors allocated here."""
     import flash_ext
@@ -78,13 +93,7 @@ def _candidates(batch, seqlen_q, cache_len, nheads, nheads_kv, headdim, dtype, p
     for page_size in page_sizes:
         if cache_len % page_size:
             continue
-        pages = cache_len // page_size
-        order = torch.randperm(batch * pages, device="cuda")
-        table = order.view(batch, pages).to(torch.int32)
-        k_pages = torch.empty(batch * pages, page_size, nheads_kv, headdim, device="cuda", dtype=dtype)
-        v_pages = torch.empty_like(k_pages)
-        k_pages[order] = k_cache.view(batch * pages, page_size, nheads_kv, headdim)
-        v_pages[order] = v_cache.view(batch * pages, page_size, nheads_kv, headdim)
+        k_pages, v_pages, table = paged_cache(k_cache, v_cache, page_size)
         out.append((f"flash_ext paged {page_size}",
                     lambda kp=k_pages, vp=v_pages, t=table: flash_ext.flash_attn_with_kvcache(
                         q, kp, vp, cache_seqlens=lens, page_table=t, causal=causal, check_values=False), None, kv_bytes))
