@@ -39,6 +39,7 @@ def main():
         b, L = (int(x) for x in shape.split("x"))
         q, kc, vc, lens = decode_inputs(b, 1, L)
         q8, kc8, vc8 = (x.to(torch.float8_e4m3fn) for x in (q, kc, vc)) if a.dtype == "e4m3" else (q, kc, vc)
+
         def call(ns, k_cache, v_cache, table):
             return ns.decode(q8, k_cache, v_cache, None, None, lens, None, table, 1 / math.sqrt(128), False, -1, -1,
                              0.0, 0)
