@@ -262,6 +262,7 @@ std::tuple<at::Tensor, at::Tensor> mha_decode(at::Tensor const& q, at::Tensor k_
   params.page_table = page_table.has_value() ? page_table->data_ptr<int>() : nullptr;
   params.page_table_batch_stride = page_table.has_value() ? page_table->stride(0) : 0;
   params.page_size = int(d.page_size);
+  if (page_table.has_value()) { params.page_divisor = flash::FastDivisor::of(int(d.page_size)); }
   params.pages_per_seq = int(d.pages_per_seq);
   params.cache_entries = int(d.cache_entries);
   params.seqlen_new = int(d.seqlen_new);

@@ -118,7 +118,8 @@ struct CacheBlock {
   __device__ static CacheBlock make(DecodeParams const& p, DecodeSequence const& seq, int batch, int kv_head, int first_key) {
     int64_t entry = seq.entry, row = first_key;  // the cache's entry (contiguous) or page (paged), and the row in it
     if (p.page_table != nullptr) {
-      int const slot = min(first_key / p.page_size, p.pages_per_seq - 1);
+      // The page by a multiply-high and a shift (every paged block does this), clamped into the table.
+      int const slot = min(p.page_divisor.div(first_key), p.pages_per_seq - 1);
       entry = min(max(p.page_table[batch * p.page_table_batch_stride + slot], 0), p.cache_entries - 1);
       row = first_key - slot * p.page_size;
     }

@@ -8,6 +8,32 @@
 
 namespace flash {
 
+// n / divisor for 0 <= n < 2^31 as a multiply-high and a shift (the round-up magic number of Granlund and
+// Montgomery): with s = ceil(log2 d) and m = ceil(2^(31 + s) / d) < 2^32, n / d = (n * m) >> (31 + s), exact
+// because m * d - 2^(31 + s) < d <= 2^s. Built on the host; plain ints (no CUTLASS header), since csrc/
+// compiles this header without nvcc.
+struct FastDivisor {
+  int divisor = 1;
+  uint32_t multiplier = 0, shift = 0;
+
+  static FastDivisor of(int d) {
+    FastDivisor f;
+    f.divisor = d;
+    if (d > 1) {
+      uint32_t s = 0;
+      while ((1u << s) < uint32_t(d)) ++s;
+      f.multiplier = uint32_t(((uint64_t(1) << (31 + s)) + uint64_t(d) - 1) / uint64_t(d));
+      f.shift = s - 1;  // after the multiply-high's 32
+    }
+    return f;
+  }
+#ifdef __CUDACC__
+  __device__ __forceinline__ int div(int n) const {
+    return divisor == 1 ? n : int(__umulhi(uint32_t(n), multiplier) >> shift);
+  }
+#endif
+};
+
 // Decoding from a KV cache (flash_attn_with_kvcache; decode_kernel.h). q holds seqlen_q new tokens per
 // sequence; the keys of sequence b are the cache_seqlens[b] cached ones followed by its seqlen_new new ones
 // (k_new, v_new), which the kernel also writes into the cache. The caches are either contiguous,
@@ -26,6 +52,7 @@ struct DecodeParams {
   int const* page_table;           // (batch, pages_per_seq) or nullptr
   int64_t page_table_batch_stride;
   int page_size, pages_per_seq;
+  FastDivisor page_divisor;  // page_size, for a key's page without an integer division
   int cache_entries;   // entries (contiguous) or pages (paged): the bound of cache_batch_idx / page_table values
   int seqlen_new;
   // Sizes as the attention kernels' parameters hold them (flash_api.cpp's set_sizes); seqlen_k is the keys a
