@@ -194,10 +194,13 @@ def _paged_copy(k_cache, v_cache, page_size, seed):
     return pools[0], pools[1], table
 
 
-@pytest.mark.parametrize("page_size", [16, 64, 256])
+# 48 and 208: page sizes that are not powers of two (the kernel finds a key's page by a multiply-high and a
+# shift, decode_params.h's FastDivisor, exact for every divisor).
+@pytest.mark.parametrize("page_size", [16, 48, 64, 208, 256])
 def test_paged_equals_contiguous(page_size):
     _require_decode(128, torch.bfloat16)
-    q, k_cache, v_cache, k_new, v_new = _inputs(4, 2, 2, 1024, 32, 8, 128, torch.bfloat16, page_size)
+    seqlen_cache = -(-1024 // page_size) * page_size  # whole pages, room for 1000 + 2 keys
+    q, k_cache, v_cache, k_new, v_new = _inputs(4, 2, 2, seqlen_cache, 32, 8, 128, torch.bfloat16, page_size)
     lens = [1000, 0, 17, 511]
     k_pages, v_pages, table = _paged_copy(k_cache, v_cache, page_size, page_size)
     cache_seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
