@@ -10,8 +10,10 @@ namespace flash {
 
 // n / divisor for 0 <= n < 2^31 as a multiply-high and a shift (the round-up magic number of Granlund and
 // Montgomery): with s = ceil(log2 d) and m = ceil(2^(31 + s) / d) < 2^32, n / d = (n * m) >> (31 + s), exact
-// because m * d - 2^(31 + s) < d <= 2^s. Built on the host; plain ints (no CUTLASS header), since csrc/
-// compiles this header without nvcc.
+// because m * d - 2^(31 + s) < d <= 2^s. The arithmetic of cutlass::FastDivmod (which the attention kernels'
+// schedulers make in nvcc-compiled launch code), written out here because DecodeParams is filled in
+// csrc/flash_api.cpp, which g++ compiles: cutlass/fast_math.h there would pull in CUDA's libcu++ headers
+// (another include path, and CUTLASS's platform headers with their deprecation warnings) for 15 lines.
 struct FastDivisor {
   int divisor = 1;
   uint32_t multiplier = 0, shift = 0;
