@@ -102,6 +102,16 @@ def _visible(rows, cols, seqlen_q, seqlen_k, causal, window_size=(-1, -1)):
     return visible
 
 
+def _mask_rows_(scores, rows, seqlen_q, seqlen_k, causal, window_size):
+    """scores (..., len(rows), seqlen_k) of the query rows `rows` (a range): -inf, in place, where a row may not
+    see a key (nothing without a mask). Returns scores."""
+    if _is_masked(causal, window_size):
+        row_ids = torch.arange(rows.start, rows.stop, device=scores.device)
+        cols = torch.arange(seqlen_k, device=scores.device)
+        scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal, window_size), -math.inf)
+    return scores
+
+
 def _check_softcap(softcap):
     softcap = float(softcap)
     if not (math.isfinite(softcap) and softcap >= 0):
@@ -147,18 +157,14 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k = k.shape[1]
     scale = _default_scale(softmax_scale, headdim)
-    masked = _is_masked(causal, window_size)
     softcap = _check_softcap(softcap)
     qf, kf, vf, kv_index = _heads_first(q, k, v, torch.float64)
     out = torch.zeros_like(qf)
     lse = torch.full((batch * nheads, seqlen_q), -math.inf, dtype=torch.float64, device=q.device)
-    cols = torch.arange(seqlen_k, device=q.device)
     for heads, rows in _chunks(batch * nheads, seqlen_q, seqlen_k, elem_bytes=8):
         kv = kv_index[heads]
         scores = _apply_softcap(torch.matmul(qf[heads, rows], kf[kv].transpose(-1, -2)) * scale, softcap)
-        if masked:
-            row_ids = torch.arange(rows.start, rows.stop, device=q.device)
-            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal, window_size), -math.inf)
+        _mask_rows_(scores, rows, seqlen_q, seqlen_k, causal, window_size)
         row_lse = torch.logsumexp(scores, dim=-1)  # -inf for rows that see no key
         # Subtract 0 instead of -inf on such rows: exp(-inf - 0) = 0 gives out = 0 rather than NaN.
         # In place, so that a chunk holds a single score-sized tensor.
@@ -181,17 +187,13 @@ def attention_lowp(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k = k.shape[1]
     scale = _default_scale(softmax_scale, headdim)
-    masked = _is_masked(causal, window_size)
     softcap = _check_softcap(softcap)
     qf, kf, vf, kv_index = _heads_first(q, k, v, q.dtype)
     out = torch.zeros_like(qf)
-    cols = torch.arange(seqlen_k, device=q.device)
     for heads, rows in _chunks(batch * nheads, seqlen_q, seqlen_k, elem_bytes=4):
         kv = kv_index[heads]
         scores = _apply_softcap(torch.matmul(qf[heads, rows] * scale, kf[kv].transpose(-1, -2)), softcap)
-        if masked:
-            row_ids = torch.arange(rows.start, rows.stop, device=q.device)
-            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal, window_size), -math.inf)
+        _mask_rows_(scores, rows, seqlen_q, seqlen_k, causal, window_size)
         probs = torch.softmax(scores.float(), dim=-1).nan_to_num_(nan=0.0).to(q.dtype)  # all -inf row: NaN -> 0
         out[heads, rows] = torch.matmul(probs, vf[kv])
     return _to_bshd(out, batch, nheads)
@@ -208,7 +210,6 @@ def attention_fp8_emulation(q8, k8, v8, q_descale=None, k_descale=None, v_descal
     batch, seqlen_q, nheads, headdim = q8.shape
     seqlen_k, nheads_kv = k8.shape[1], k8.shape[2]
     scale = _default_scale(softmax_scale, headdim)
-    masked = _is_masked(causal, window_size)
     softcap = _check_softcap(softcap)
     ones = torch.ones(batch, nheads_kv, dtype=torch.float64, device=q8.device)
     qd, kd, vd = (ones if d is None else d.double() for d in (q_descale, k_descale, v_descale))
@@ -217,14 +218,11 @@ def attention_fp8_emulation(q8, k8, v8, q_descale=None, k_descale=None, v_descal
     qk_scale = (qd * kd).reshape(-1)[kv_index] * scale
     v_scale = vd.reshape(-1)[kv_index]
     out = torch.zeros_like(qf)
-    cols = torch.arange(seqlen_k, device=q8.device)
     for heads, rows in _chunks(batch * nheads, seqlen_q, seqlen_k, elem_bytes=8):
         kv = kv_index[heads]
         scores = torch.matmul(qf[heads, rows], kf[kv].transpose(-1, -2)) * qk_scale[heads, None, None]
         scores = _apply_softcap(scores, softcap)
-        if masked:
-            row_ids = torch.arange(rows.start, rows.stop, device=q8.device)
-            scores.masked_fill_(~_visible(row_ids, cols, seqlen_q, seqlen_k, causal, window_size), -math.inf)
+        _mask_rows_(scores, rows, seqlen_q, seqlen_k, causal, window_size)
         row_max = scores.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isinf(row_max), 0.0, row_max)  # rows that see no key: P = 0
         p = scores.sub_(row_max).exp_().mul_(2.0 ** max_offset)
