@@ -35,9 +35,9 @@ using namespace cute;
 // That needs O to leave without holding up the next Q: staged in a buffer of its own where one fits beside
 // the mainloop's storage, else (non-causal 16-bit, kBlockN >= kBlockM) in the V stage the tile's last GEMM1
 // read (the next tile's first K/V block goes to the other stage; the consumers hand this one back once the
-// store has read it), else (d192, FP8 up to d192) written from registers straight to global memory. FP8's
-// transposing warps walk the tiles with the consumers. d256 keeps one tile per CTA (16-bit non-causal:
-// persistence measured within noise; FP8: slower).
+// store has read it), else (d192, FP8 up to d192) written from registers straight to global memory, else
+// (16-bit d256) over both V stages. FP8's transposing warps walk the tiles with the consumers. FP8 d256 keeps
+// one tile per CTA (its persistent form spilled and ran slower).
 // Causal tiles differ in length: persistent causal CTAs draw tiles from a counter, longest first over groups
 // of heads (tile_scheduler.h), so the SMs finish together; non-causal ones walk equal tiles statically.
 //
@@ -66,21 +66,22 @@ struct FwdLaunchPolicy {
   // no persistent form: its consumers need all 240 registers, and the form spilled 72 bytes and ran 4-15% slower
   // from 2k keys (perf-notes section 41); with V column-major, 88-108 bytes and 2-20% slower (section 43).
   static constexpr bool kODirect = !kOwnOBuffer && !kOInVStage && (FLASH_EXT_FORCE_DIRECT_O || Config::kHeadDim <= 192);
-  // O staged over both V stages (d256 causal, whose O is larger than one stage): the next tile's first V waits
-  // for the store, its Q and first K do not (FwdMainloop::load). +10% at 512 keys, +4% at 1k over one CTA per
-  // tile; d256 non-causal +3% at 512 only, -2 to -4% from 1k, and its consumers spill 24 bytes (perf-notes
-  // section 35): not compiled.
+  // O staged over both V stages (d256, whose O is larger than one stage): the next tile's first V waits for the
+  // store, its Q and first K do not (FwdMainloop::load). Causal +10% at 512 keys, +4% at 1k over one CTA per
+  // tile (perf-notes section 35); non-causal, on 128x64 tiles, +8.6% at 512, +2% at 640-768, equal at 1k
+  // (section 50; on 128x80 tiles O spans 80 KB, and its consumers spilled).
   static constexpr bool kOOverV = !FLASH_EXT_FORCE_DIRECT_O && !kOwnOBuffer && !kOInVStage && !kODirect &&
-                                  !Config::kIsFp8 && Config::kIsCausal &&
+                                  !Config::kIsFp8 &&
                                   EpilogueAsync::kSmemBytes <= Mainloop::kStages * Mainloop::kSmemBytesVStage;
   static constexpr bool kPersistentCapable = kOwnOBuffer || kOInVStage || kODirect || kOOverV;
   // Persistent while a tile spans at most this many keys; beyond, one CTA per tile. Both forms timed in one
   // process (perf-notes sections 15, 32, 39 and 47): persistent wins through 8k keys at d64 non-causal (+3%),
   // d128 causal (+2.8% at 8k since chaining, equal at 16k) and d192 causal (+5-8%), through 16k at d96 (chained:
   // +4-9% from 4k to 8k, +1-4% at 16k), through 4k at d128 non-causal (+2%) and at d64 and d256 causal (+1-5% at
-  // 4k once the L2 groups are equal, section 39), and loses from 2k on at d192 non-causal (-1 to -4%); beyond
-  // those, the one-CTA-per-tile forms of d64 and d256 causal and d128 non-causal have taller or wider tiles
-  // (sections 30, 36 and 46), which win. Elsewhere 16 K/V blocks.
+  // 4k once the L2 groups are equal, section 39), through 1k at d256 non-causal (equal at 1k, section 50), and
+  // loses from 2k on at d192 non-causal (-1 to -4%); beyond those, the one-CTA-per-tile forms of d64 and d256
+  // and of d128 non-causal have taller or wider tiles (sections 30, 36, 46 and 50), which win. Elsewhere 16
+  // K/V blocks.
   static constexpr int persistent_max_keys() {
     if constexpr (Config::kIsFp8) {
       // FP8 (d256 has no persistent form; perf-notes section 41): persistent wins 11-25% at 512 keys and
@@ -94,7 +95,7 @@ struct FwdLaunchPolicy {
       case 96: return 16384;
       case 128: return Config::kIsCausal ? 8192 : 4096;
       case 192: return Config::kIsCausal ? 8192 : 16 * Config::kBlockN;
-      case 256: return 4096;
+      case 256: return Config::kIsCausal ? 4096 : 1024;
       default: return 16 * Config::kBlockN;
     }
   }

@@ -33,13 +33,15 @@ struct FwdTile {
 // form's producer spills (perf-notes section 30); d256 causal 80-key blocks are 3-4% faster from 4k keys on
 // and 3-6% slower at 512-1k, in either form (perf-notes section 36). Since the equal L2 groups of section
 // 39, the persistent kernel with the base tiles matches or beats both at 4k: they run beyond 4k keys.
+// d256 non-causal: 128x64 for the persistent form (O staged over both V stages, 64 KB: it fits 64-key stages
+// exactly), 128x80 for one CTA per tile; 512 keys are 6.4 blocks of 80 but 8 of 64 (perf-notes section 50).
 template <int kHeadDim, bool kIsCausal>
 struct FwdTileSize16;
 template <bool C> struct FwdTileSize16<64, C> : FwdTile<C ? 128 : 192, 128, 192> {};
 template <bool C> struct FwdTileSize16<96, C> : FwdTile<128, 128> {};
 template <bool C> struct FwdTileSize16<128, C> : FwdTile<128, 128, 128, C ? 128 : 176> {};
 template <bool C> struct FwdTileSize16<192, C> : FwdTile<128, C ? 96 : 112> {};
-template <bool C> struct FwdTileSize16<256, C> : FwdTile<128, C ? 64 : 80, 128, 80> {};
+template <bool C> struct FwdTileSize16<256, C> : FwdTile<128, 64, 128, 80> {};
 
 // FP8 (e4m3) tiles: twice the GEMM rate per byte of shared memory, so longer K/V blocks; V also needs a
 // transposed copy (mainloop_fwd.h), which the 16-bit kernels do not. d128 causal at kBlockN = 224 spilled
@@ -123,12 +125,13 @@ struct FwdConfig {
 #endif
   // Each block's softmax held under the warpgroup's own GEMM1 as well as under the other warpgroup's GEMMs
   // (GEMM1's wait made to follow the exponentials; ptxas otherwise issues it first: perf-notes section 19).
-  // 16-bit d256 non-causal: +0-6% from 512 to 16k; d192 non-causal 2-8% slower, d256 causal mixed (-3% to
-  // +5%), FP8 and d128 3-6% slower (perf-notes sections 19 and 21).
+  // 16-bit d256 non-causal on one CTA per tile (128x80): +0-6% from 512 to 16k; d192 non-causal 2-8% slower, d256
+  // causal mixed (-3% to +5%), FP8 and d128 3-6% slower (perf-notes sections 19 and 21); d256 non-causal's
+  // persistent 128x64 tiles 2-3% slower (section 50).
 #ifdef FLASH_EXT_SOFTMAX_UNDER_GEMM1  // variant builds (A/B)
   static constexpr bool kSoftmaxUnderGemm1 = FLASH_EXT_SOFTMAX_UNDER_GEMM1;
 #else
-  static constexpr bool kSoftmaxUnderGemm1 = !kIsFp8 && kHeadDim == 256 && !kIsCausal;
+  static constexpr bool kSoftmaxUnderGemm1 = !kIsFp8 && kHeadDim == 256 && !kIsCausal && kLongTiles_;
 #endif
   // O rescaled only where a row's max moved by more than softmax.h's kLazyThreshold (Softmax::kLazyRescale).
   // It pays where O's rescale is largest against the rest of a step: 16-bit d256 +2-5% in both masks, FP8 causal

@@ -4,8 +4,10 @@ form's tiles) on small odd shapes (GQA, partial last blocks, causal rows that se
 many tiles per persistent CTA) with every mask and score option the kernel runs (sliding windows, softcap),
 without reference computations: the workload for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fwd.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fwd.py [--headdims 256]
 """
+import argparse
+
 import torch
 
 import flash_ext
@@ -15,7 +17,12 @@ SHAPES = [(1, 129, 257, 4, 2), (2, 300, 50, 2, 1), (3, 700, 700, 16, 4)]  # (bat
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--headdims", default="", help="comma list: only these kernels' head dims (default: all)")
+    headdims = {int(h) for h in parser.parse_args().headdims.split(",") if h}
     for d, dtype, causal in compiled_kernels("fwd", ["fp16", "bf16"]):
+        if headdims and d not in headdims:
+            continue
         for persistent in launch_forms():
             for b, sq, sk, h, hkv in SHAPES:
                 q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
