@@ -101,6 +101,13 @@ struct FwdLaunchPolicy {
   }
   static constexpr int kPersistentMaxKeys = persistent_max_keys();
 
+  // Varlen calls decided by their longest sequence against kPersistentMaxKeys, as dense calls by their length,
+  // and beyond it run the long tiles one CTA per tile (their rows are the persistent form's, so VarlenPrepare's
+  // tile list serves both): where the persistent form's tiles suit short sequences only. d256 non-causal, whose
+  // persistent 64-key blocks ran the benchmark's varlen batch (16 sequences of 698..5702 keys) at 0.92x the
+  // TFLOP/s of the dense kernel on the same work (perf-notes section 50).
+  static constexpr bool kVarlenByKeyLimit = !Config::kIsFp8 && Config::kHeadDim == 256 && !Config::kIsCausal;
+
   using Scheduler = TileScheduler<Config::kBlockM>;
   static constexpr bool kLongestFirst = Config::kIsCausal;  // causal query blocks grow with the block index
 
@@ -117,8 +124,8 @@ struct FwdLaunchPolicy {
     }
     // Varlen tiles differ in length like causal ones, whatever the longest sequence: persistent CTAs drawing
     // them longest first (d128 causal, 16 sequences of 418..6467 keys: 0.90x -> 0.98x the TFLOP/s of a dense
-    // batch of the same work; perf-notes section 23).
-    bool persistent = kPersistentCapable && (p.varlen.enabled() || key_span <= kPersistentMaxKeys);
+    // batch of the same work; perf-notes section 23), except where kVarlenByKeyLimit.
+    bool persistent = kPersistentCapable && ((p.varlen.enabled() && !kVarlenByKeyLimit) || key_span <= kPersistentMaxKeys);
     // A grid of one wave or less gains nothing from persistence and pays for it: the tile counter's
     // memset and the tile loop (b1 h1 s128, FP8 d128 causal: 8.0 us against 5.9; perf-notes section 41).
     // It keeps the tiles of the persistent form, which suit short sequences (and give the bits of a varlen
@@ -127,7 +134,8 @@ struct FwdLaunchPolicy {
                           int64_t(ceil_div(p.seqlen_q, Config::kBlockM)) * p.nheads * p.batch <= num_sms(current_device());
     if (one_wave) { persistent = false; }
     if (p.persistent >= 0) { persistent = kPersistentCapable && p.persistent != 0; }
-    return {persistent, persistent && (Config::kIsCausal || p.varlen.enabled()), !persistent && !p.varlen.enabled() && !one_wave};
+    bool const long_tiles = !persistent && !one_wave && (!p.varlen.enabled() || kVarlenByKeyLimit);
+    return {persistent, persistent && (Config::kIsCausal || p.varlen.enabled()), long_tiles};
   }
   // Workspace: varlen calls' sequences and tile list (VarlenPrepare's), then the tile counter of dynamic
   // launches.

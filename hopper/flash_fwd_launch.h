@@ -22,8 +22,9 @@ struct FwdLauncher {
   using Policy = FwdLaunchPolicy<Config>;  // decides the launch form, and the workspace, for both configurations
   // Taller or wider tiles for one CTA per tile, where tile_size.h gives them (kBlockMLong, kBlockNLong): dense
   // calls that Policy does not run persistent. Varlen calls keep Config's tiles, which VarlenPrepare's tile
-  // list is made of.
+  // list is made of, except where Policy::kVarlenByKeyLimit, whose long tiles have the same rows.
   using LongConfig = FwdConfig<Element, kHeadDim, kIsCausal, /*kLongTiles=*/true, kVColMajor>;
+  static_assert(!Policy::kVarlenByKeyLimit || LongConfig::kBlockM == Config::kBlockM, "varlen: one tile list");
 
   static size_t workspace_bytes(FwdParams const& p) { return Policy::workspace_bytes(p); }
 
@@ -46,6 +47,7 @@ struct FwdLauncher {
       // as tall or taller) against the same limit, so its scheduler agrees that this launch is one CTA per
       // tile.
       if (mode.long_tiles) {
+        if (p.varlen.enabled()) { launch_kernel<VarlenPrepare>(dim3(1), Policy::varlen_prepare(p), device, stream); }
         launch(FwdKernel<LongConfig, /*kPersistent=*/false>{});
         return;
       }
