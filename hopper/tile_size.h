@@ -75,7 +75,13 @@ struct FwdConfig {
   static constexpr int kBlockN = kLongTiles_ ? TileSize::kBlockNLong : TileSize::kBlockN;
   static constexpr bool kHasLongTiles = TileSize::kBlockMLong != TileSize::kBlockM || TileSize::kBlockNLong != TileSize::kBlockN;
 #endif
-  static constexpr int kStages = 2;  // K/V pipeline depth
+  // K/V pipeline depth. 16-bit d64 with 3 (variant build s3): +6-8% at 512 keys, +1-5% at 1k-2k (perf-notes
+  // section 50; branch exp/d64-kv-stages3, not yet tested as a full build).
+#ifdef FLASH_EXT_FWD_STAGES  // variant builds (A/B)
+  static constexpr int kStages = FLASH_EXT_FWD_STAGES;
+#else
+  static constexpr int kStages = 2;
+#endif
   // Chained tiles (16-bit persistent kernels whose shared memory holds a second Q beside O's own buffer: d64, d96,
   // d128): each consumer warpgroup runs its CTA's tiles as one stream of K/V blocks, the last GEMM1 of a
   // tile issued with the first GEMM0 of the next (whose Q lands in the second buffer), the tile's epilogue under
