@@ -75,12 +75,14 @@ struct FwdConfig {
   static constexpr int kBlockN = kLongTiles_ ? TileSize::kBlockNLong : TileSize::kBlockN;
   static constexpr bool kHasLongTiles = TileSize::kBlockMLong != TileSize::kBlockM || TileSize::kBlockNLong != TileSize::kBlockN;
 #endif
-  // K/V pipeline depth. 16-bit d64 with 3 (variant build s3): +6-8% at 512 keys, +1-5% at 1k-2k (perf-notes
-  // section 50; branch exp/d64-kv-stages3, not yet tested as a full build).
+  // K/V pipeline depth: a third stage where shared memory holds it beside the chained tiles (16-bit d64 and
+  // d96): at 512 keys d64 +4-6% non-causal, +7-8% causal, d96 +10% / +5%; at 1k-4k d64 causal and d96 +1-6%, d64
+  // non-causal within 1.5% either way; 8k-16k within 2% (perf-notes sections 50 and 51). d128's and d192's
+  // tiles leave no room; FP8 (V's transposed copy) is untimed.
 #ifdef FLASH_EXT_FWD_STAGES  // variant builds (A/B)
   static constexpr int kStages = FLASH_EXT_FWD_STAGES;
 #else
-  static constexpr int kStages = 2;
+  static constexpr int kStages = !kIsFp8 && (kHeadDim == 64 || kHeadDim == 96) ? 3 : 2;
 #endif
   // Chained tiles (16-bit persistent kernels whose shared memory holds a second Q beside O's own buffer: d64, d96,
   // d128): each consumer warpgroup runs its CTA's tiles as one stream of K/V blocks, the last GEMM1 of a
