@@ -79,10 +79,11 @@ struct FwdConfig {
   // d96): at 512 keys d64 +4-6% non-causal, +7-8% causal, d96 +10% / +5%; at 1k-4k d64 causal and d96 +1-6%, d64
   // non-causal within 1.5% either way; 8k-16k within 2% (perf-notes sections 50 and 51). d128's and d192's
   // tiles leave no room; FP8 (V's transposed copy) is untimed.
-#ifdef FLASH_EXT_FWD_STAGES  // variant builds (A/B)
-  static constexpr int kStages = FLASH_EXT_FWD_STAGES;
+  static constexpr int kDefaultStages = !kIsFp8 && (kHeadDim == 64 || kHeadDim == 96) ? 3 : 2;
+#ifdef FLASH_EXT_FWD_STAGES  // variant builds (A/B): the persistent form's tiles; LongConfig keeps the default
+  static constexpr int kStages = kLongTiles_ ? kDefaultStages : FLASH_EXT_FWD_STAGES;
 #else
-  static constexpr int kStages = !kIsFp8 && (kHeadDim == 64 || kHeadDim == 96) ? 3 : 2;
+  static constexpr int kStages = kDefaultStages;
 #endif
   // Chained tiles (16-bit persistent kernels whose shared memory holds a second Q beside O's own buffer: d64, d96,
   // d128): each consumer warpgroup runs its CTA's tiles as one stream of K/V blocks, the last GEMM1 of a
