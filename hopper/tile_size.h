@@ -78,7 +78,8 @@ struct FwdConfig {
   // K/V pipeline depth: a third stage where shared memory holds it beside the chained tiles (16-bit d64 and
   // d96): at 512 keys d64 +4-6% non-causal, +7-8% causal, d96 +10% / +5%; at 1k-4k d64 causal and d96 +1-6%, d64
   // non-causal within 1.5% either way; 8k-16k within 2% (perf-notes sections 50 and 51). d128's and d192's
-  // tiles leave no room; FP8 (V's transposed copy) is untimed.
+  // chained tiles leave no room (d128 unchained fits three stages and loses 1-13% at 512-1k, section 51); FP8
+  // (V's transposed copy) is untimed.
   static constexpr int kDefaultStages = !kIsFp8 && (kHeadDim == 64 || kHeadDim == 96) ? 3 : 2;
 #ifdef FLASH_EXT_FWD_STAGES  // variant builds (A/B): the persistent form's tiles; LongConfig keeps the default
   static constexpr int kStages = kLongTiles_ ? kDefaultStages : FLASH_EXT_FWD_STAGES;
