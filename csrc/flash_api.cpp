@@ -87,11 +87,12 @@ void set_sizes(Params& params, flash_api::AttentionShape const& s, double softma
 }
 
 // Developer knobs for A/B measurements: FLASH_EXT_PINGPONG=0/1 forces the consumer warpgroup ping-pong,
-// FLASH_EXT_PERSISTENT=0/1 the persistent launch, off/on; unset keeps each kernel's choice.
+// FLASH_EXT_PERSISTENT=0/1 the persistent launch, off/on (=2: the mid-length tiles, persistent, where a forward
+// configuration has them: FwdLaunchPolicy); unset keeps each kernel's choice.
 int env_override(char const* name) {
   char const* value = std::getenv(name);
   if (value == nullptr || value[0] == '\0') return -1;
-  return value[0] == '0' ? 0 : 1;
+  return value[0] == '0' ? 0 : value[0] == '2' ? 2 : 1;
 }
 
 // The registry's names (hopper/kernel_registry.h).

@@ -72,7 +72,8 @@ struct FwdParams {
   VarlenArgs varlen;
   // Consumer warpgroup ping-pong: -1 = the configuration's default, 0 = off, 1 = on (for A/B measurements).
   int pingpong = -1;
-  // Persistent launch (one CTA per SM walking tiles): -1 = by the kernel's heuristic, 0 = off, 1 = on.
+  // Persistent launch (one CTA per SM walking tiles): -1 = by the kernel's heuristic, 0 = off, 1 = on, 2 = on
+  // with the mid-length tiles where the configuration has them (FwdLaunchPolicy).
   int persistent = -1;
   // Workspace of the registry entry's workspace_bytes() (the tile counter of dynamic persistent launches),
   // allocated by the caller; the launcher clears it.

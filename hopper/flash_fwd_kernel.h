@@ -20,6 +20,7 @@
 #include "mask.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
+#include "tile_size.h"  // FwdTiles
 #include "varlen.h"
 
 namespace flash {
@@ -81,7 +82,7 @@ struct FwdLaunchPolicy {
   // 4k once the L2 groups are equal, section 39), through 1k at d256 non-causal (equal at 1k, section 50), and
   // loses from 2k on at d192 non-causal (-1 to -4%); beyond those, the one-CTA-per-tile forms of d64 and d256
   // and of d128 non-causal have taller or wider tiles (sections 30, 36, 46 and 50), which win. Elsewhere 16
-  // K/V blocks.
+  // K/V blocks. d128 non-causal: the chained base tiles through 2k keys, then the mid-length set (kMidMaxKeys).
   static constexpr int persistent_max_keys() {
     if constexpr (Config::kIsFp8) {
       // FP8 (d256 has no persistent form; perf-notes section 41): persistent wins 11-25% at 512 keys and
@@ -93,13 +94,18 @@ struct FwdLaunchPolicy {
     switch (Config::kHeadDim) {
       case 64: return Config::kIsCausal ? 4096 : 8192;
       case 96: return 16384;
-      case 128: return Config::kIsCausal ? 8192 : 4096;
+      case 128: return Config::kIsCausal ? 8192 : (Config::kHasMidTiles ? 2048 : 4096);
       case 192: return Config::kIsCausal ? 8192 : 16 * Config::kBlockN;
       case 256: return Config::kIsCausal ? 4096 : 1024;
       default: return 16 * Config::kBlockN;
     }
   }
   static constexpr int kPersistentMaxKeys = persistent_max_keys();
+  // Key spans past kPersistentMaxKeys and up to this many run the mid-length set (FwdTiles::kMid, persistent)
+  // where the configuration has one. d128 non-causal: +2-3% at 4k over the chained form, +1% at 3k, equal at 2k;
+  // beyond 4k the 128x176 tiles of one CTA per tile, 1.7% faster at 6k, equal at 8k (perf-notes section 52).
+  static constexpr int kMidMaxKeys = Config::kHasMidTiles ? 4096 : 0;
+  static_assert(!Config::kHasMidTiles || !Config::kIsCausal, "the mid-length set walks its tiles statically: non-causal");
 
   // Varlen calls decided by their longest sequence against kPersistentMaxKeys, as dense calls by their length,
   // and beyond it run the long tiles one CTA per tile (their rows are the persistent form's, so VarlenPrepare's
@@ -113,7 +119,9 @@ struct FwdLaunchPolicy {
 
   struct LaunchMode {
     bool persistent, dynamic;
-    bool long_tiles;  // one CTA per tile on LongConfig's tiles (FwdLauncher), where the configuration has them
+    // kLong: one CTA per tile on LongConfig's tiles where the configuration has them (else on the base tiles);
+    // kMid: persistent on MidConfig's (FwdLauncher).
+    FwdTiles tiles;
   };
   static LaunchMode launch_mode(FwdParams const& p) {
     // The keys a tile spans: all of them, or a window's width.
@@ -134,8 +142,15 @@ struct FwdLaunchPolicy {
                           int64_t(ceil_div(p.seqlen_q, Config::kBlockM)) * p.nheads * p.batch <= num_sms(current_device());
     if (one_wave) { persistent = false; }
     if (p.persistent >= 0) { persistent = kPersistentCapable && p.persistent != 0; }
-    bool const long_tiles = !persistent && !one_wave && (!p.varlen.enabled() || kVarlenByKeyLimit);
-    return {persistent, persistent && (Config::kIsCausal || p.varlen.enabled()), long_tiles};
+    bool const past_base = !persistent && !one_wave && (!p.varlen.enabled() || kVarlenByKeyLimit);
+    FwdTiles tiles = past_base ? FwdTiles::kLong : FwdTiles::kBase;
+    // The mid-length set: dense calls only (varlen calls keep the base tiles VarlenPrepare's list is made of);
+    // FLASH_EXT_PERSISTENT=2 forces it.
+    if (Config::kHasMidTiles && !p.varlen.enabled() &&
+        (p.persistent == 2 || (p.persistent < 0 && past_base && key_span <= kMidMaxKeys))) {
+      return {true, false, FwdTiles::kMid};
+    }
+    return {persistent, persistent && (Config::kIsCausal || p.varlen.enabled()), tiles};
   }
   // Workspace: varlen calls' sequences and tile list (VarlenPrepare's), then the tile counter of dynamic
   // launches.

@@ -18,13 +18,16 @@ namespace flash {
 
 template <class Element, int kHeadDim, bool kIsCausal, bool kVColMajor = false>
 struct FwdLauncher {
-  using Config = FwdConfig<Element, kHeadDim, kIsCausal, /*kLongTiles=*/false, kVColMajor>;
-  using Policy = FwdLaunchPolicy<Config>;  // decides the launch form, and the workspace, for both configurations
+  using Config = FwdConfig<Element, kHeadDim, kIsCausal, FwdTiles::kBase, kVColMajor>;
+  using Policy = FwdLaunchPolicy<Config>;  // decides the launch form, and the workspace, for every configuration
   // Taller or wider tiles for one CTA per tile, where tile_size.h gives them (kBlockMLong, kBlockNLong): dense
   // calls that Policy does not run persistent. Varlen calls keep Config's tiles, which VarlenPrepare's tile
   // list is made of, except where Policy::kVarlenByKeyLimit, whose long tiles have the same rows.
-  using LongConfig = FwdConfig<Element, kHeadDim, kIsCausal, /*kLongTiles=*/true, kVColMajor>;
+  using LongConfig = FwdConfig<Element, kHeadDim, kIsCausal, FwdTiles::kLong, kVColMajor>;
   static_assert(!Policy::kVarlenByKeyLimit || LongConfig::kBlockM == Config::kBlockM, "varlen: one tile list");
+  // Config's tiles with more K/V stages and no chaining, persistent, for dense calls of mid-length keys where
+  // tile_size.h gives them (kStagesMid). Non-causal only: no tile counter in the workspace.
+  using MidConfig = FwdConfig<Element, kHeadDim, kIsCausal, FwdTiles::kMid, kVColMajor>;
 
   static size_t workspace_bytes(FwdParams const& p) { return Policy::workspace_bytes(p); }
 
@@ -42,17 +45,22 @@ struct FwdLauncher {
       auto const params = Kernel::to_params(p);
       launch_kernel<Kernel>(params.scheduler.grid(mode.persistent, num_sms(device)), params, device, stream);
     };
+    if (p.varlen.enabled()) { launch_kernel<VarlenPrepare>(dim3(1), Policy::varlen_prepare(p), device, stream); }
     if constexpr (Config::kHasLongTiles) {
       // Never persistent: FwdLaunchPolicy<LongConfig> finds at least as many keys per tile (its tiles are
       // as tall or taller) against the same limit, so its scheduler agrees that this launch is one CTA per
       // tile.
-      if (mode.long_tiles) {
-        if (p.varlen.enabled()) { launch_kernel<VarlenPrepare>(dim3(1), Policy::varlen_prepare(p), device, stream); }
+      if (mode.tiles == FwdTiles::kLong) {
         launch(FwdKernel<LongConfig, /*kPersistent=*/false>{});
         return;
       }
     }
-    if (p.varlen.enabled()) { launch_kernel<VarlenPrepare>(dim3(1), Policy::varlen_prepare(p), device, stream); }
+    if constexpr (Config::kHasMidTiles) {
+      if (mode.tiles == FwdTiles::kMid) {  // persistent (mode.persistent), a static walk
+        launch(FwdKernel<MidConfig, /*kPersistent=*/true>{});
+        return;
+      }
+    }
     if constexpr (Policy::kPersistentCapable) {
       if (mode.persistent) {
         if (mode.dynamic) { FLASH_CUDA_CHECK(cudaMemsetAsync(Policy::counter(p), 0, sizeof(int), stream)); }

@@ -15,10 +15,18 @@ namespace flash {
 
 // A forward kernel's tile: kBlockM x kBlockN, and kBlockMLong x kBlockNLong for the one-CTA-per-tile kernel
 // of long sequences where that differs (FwdLauncher's LongConfig; the persistent kernel keeps the first).
-template <int kBlockM_, int kBlockN_, int kBlockMLong_ = kBlockM_, int kBlockNLong_ = kBlockN_>
+// kStagesMid: where nonzero, a third configuration for mid-length keys (FwdLauncher's MidConfig): the base
+// tile, persistent, unchained, with that many K/V stages (the room the second Q and O's buffer held).
+template <int kBlockM_, int kBlockN_, int kBlockMLong_ = kBlockM_, int kBlockNLong_ = kBlockN_, int kStagesMid_ = 0>
 struct FwdTile {
   static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kBlockMLong = kBlockMLong_, kBlockNLong = kBlockNLong_;
+  static constexpr int kStagesMid = kStagesMid_;
 };
+
+// Which of a forward configuration's tile sets a kernel runs (FwdLauncher): the base tiles (persistent, chained
+// where they fit, and every one-wave grid and varlen call), the mid-length set (kStagesMid), or the long tiles
+// of one CTA per tile (kBlockMLong x kBlockNLong).
+enum class FwdTiles { kBase, kMid, kLong };
 
 // 16-bit forward tiles per head dim. Shared memory: Q (kBlockM x d) + 2 stages each of K and V (kBlockN x d)
 // must stay under 227 KB.
@@ -33,13 +41,16 @@ struct FwdTile {
 // form's producer spills (perf-notes section 30); d256 causal 80-key blocks are 3-4% faster from 4k keys on
 // and 3-6% slower at 512-1k, in either form (perf-notes section 36). Since the equal L2 groups of section
 // 39, the persistent kernel with the base tiles matches or beats both at 4k: they run beyond 4k keys.
+// d128 non-causal past 2k keys up to 4k: the 128x128 tiles unchained with three K/V stages, persistent (O in V's
+// last stage), +2-3% at 4k over the chained two-stage form; chaining is worth 1.4-2.8% more at 512-1k, the
+// 128x176 tiles as much or more from 6k on (perf-notes sections 51 and 52; FwdLaunchPolicy::kMidMaxKeys).
 // d256 non-causal: 128x64 for the persistent form (O staged over both V stages, 64 KB: it fits 64-key stages
 // exactly), 128x80 for one CTA per tile; 512 keys are 6.4 blocks of 80 but 8 of 64 (perf-notes section 50).
 template <int kHeadDim, bool kIsCausal>
 struct FwdTileSize16;
 template <bool C> struct FwdTileSize16<64, C> : FwdTile<C ? 128 : 192, 128, 192> {};
 template <bool C> struct FwdTileSize16<96, C> : FwdTile<128, 128> {};
-template <bool C> struct FwdTileSize16<128, C> : FwdTile<128, 128, 128, C ? 128 : 176> {};
+template <bool C> struct FwdTileSize16<128, C> : FwdTile<128, 128, 128, C ? 128 : 176, C ? 0 : 3> {};
 template <bool C> struct FwdTileSize16<192, C> : FwdTile<128, C ? 96 : 112> {};
 template <bool C> struct FwdTileSize16<256, C> : FwdTile<128, 64, 128, 80> {};
 
@@ -54,9 +65,9 @@ template <bool C> struct FwdTileSizeFp8<128, C> : FwdTile<128, C ? 192 : 224> {}
 template <bool C> struct FwdTileSizeFp8<192, C> : FwdTile<128, 160> {};
 template <bool C> struct FwdTileSizeFp8<256, C> : FwdTile<128, 128> {};
 
-// The static configuration of one forward kernel. kLongTiles: the one-CTA-per-tile kernel's tiles
-// (kBlockMLong, kBlockNLong); FwdLauncher instantiates that configuration only where kHasLongTiles.
-template <class Element_, int kHeadDim_, bool kIsCausal_, bool kLongTiles_ = false, bool kVColMajor_ = false>
+// The static configuration of one forward kernel. kTiles: which tile set (FwdTiles); FwdLauncher instantiates
+// the kMid and kLong configurations only where kHasMidTiles and kHasLongTiles.
+template <class Element_, int kHeadDim_, bool kIsCausal_, FwdTiles kTiles_ = FwdTiles::kBase, bool kVColMajor_ = false>
 struct FwdConfig {
   static_assert(sizeof(Element_) == 2 || sizeof(Element_) == 1, "16-bit or FP8 (e4m3) inputs");
   static constexpr bool kIsFp8 = sizeof(Element_) == 1;
@@ -64,25 +75,31 @@ struct FwdConfig {
   using ElementOut = std::conditional_t<kIsFp8, cutlass::bfloat16_t, Element_>;  // O
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kIsCausal = kIsCausal_;
+  static constexpr FwdTiles kTiles = kTiles_;
+  static constexpr bool kLongTiles = kTiles_ == FwdTiles::kLong;
   using TileSize = std::conditional_t<kIsFp8, FwdTileSizeFp8<kHeadDim, kIsCausal>, FwdTileSize16<kHeadDim, kIsCausal>>;
 #if defined(FLASH_EXT_TILE_M) && defined(FLASH_EXT_TILE_N)
   // Tile experiments in side-by-side variant builds (scripts/build_variant.sh) only.
   static constexpr int kBlockM = FLASH_EXT_TILE_M;
   static constexpr int kBlockN = FLASH_EXT_TILE_N;
   static constexpr bool kHasLongTiles = false;
+  static constexpr bool kHasMidTiles = false;
 #else
-  static constexpr int kBlockM = kLongTiles_ ? TileSize::kBlockMLong : TileSize::kBlockM;
-  static constexpr int kBlockN = kLongTiles_ ? TileSize::kBlockNLong : TileSize::kBlockN;
+  static constexpr int kBlockM = kLongTiles ? TileSize::kBlockMLong : TileSize::kBlockM;
+  static constexpr int kBlockN = kLongTiles ? TileSize::kBlockNLong : TileSize::kBlockN;
   static constexpr bool kHasLongTiles = TileSize::kBlockMLong != TileSize::kBlockM || TileSize::kBlockNLong != TileSize::kBlockN;
+  static constexpr bool kHasMidTiles = TileSize::kStagesMid != 0;
 #endif
   // K/V pipeline depth: a third stage where shared memory holds it beside the chained tiles (16-bit d64 and
   // d96): at 512 keys d64 +4-6% non-causal, +7-8% causal, d96 +10% / +5%; at 1k-4k d64 causal and d96 +1-6%, d64
   // non-causal within 1.5% either way; 8k-16k within 2% (perf-notes sections 50 and 51). d128's and d192's
   // chained tiles leave no room (d128 unchained fits three stages and loses 1-13% at 512-1k, section 51); FP8
   // (V's transposed copy) is untimed.
-  static constexpr int kDefaultStages = !kIsFp8 && (kHeadDim == 64 || kHeadDim == 96) ? 3 : 2;
-#ifdef FLASH_EXT_FWD_STAGES  // variant builds (A/B): the persistent form's tiles; LongConfig keeps the default
-  static constexpr int kStages = kLongTiles_ ? kDefaultStages : FLASH_EXT_FWD_STAGES;
+  // The mid-length set (kTiles == kMid) takes TileSize::kStagesMid.
+  static constexpr int kDefaultStages =
+      kTiles_ == FwdTiles::kMid ? TileSize::kStagesMid : (!kIsFp8 && (kHeadDim == 64 || kHeadDim == 96) ? 3 : 2);
+#ifdef FLASH_EXT_FWD_STAGES  // variant builds (A/B): the base tiles; MidConfig and LongConfig keep their default
+  static constexpr int kStages = kTiles_ == FwdTiles::kBase ? FLASH_EXT_FWD_STAGES : kDefaultStages;
 #else
   static constexpr int kStages = kDefaultStages;
 #endif
@@ -98,7 +115,7 @@ struct FwdConfig {
   static constexpr bool kChainTilesWanted = true;
 #endif
   static constexpr bool kChainTiles =
-      kChainTilesWanted && !kIsFp8 && !kLongTiles_ &&
+      kChainTilesWanted && !kIsFp8 && kTiles_ == FwdTiles::kBase &&
       ((3 * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element_)) + 2048 <= 227 * 1024);
   static constexpr int kStagesQ = kChainTiles ? 2 : 1;  // Q buffers
   // FP8 V given column-major, its keys (sequence dim) contiguous (FA3's V_colmajor): GEMM1 reads it as the
@@ -141,7 +158,7 @@ struct FwdConfig {
 #ifdef FLASH_EXT_SOFTMAX_UNDER_GEMM1  // variant builds (A/B)
   static constexpr bool kSoftmaxUnderGemm1 = FLASH_EXT_SOFTMAX_UNDER_GEMM1;
 #else
-  static constexpr bool kSoftmaxUnderGemm1 = !kIsFp8 && kHeadDim == 256 && !kIsCausal && kLongTiles_;
+  static constexpr bool kSoftmaxUnderGemm1 = !kIsFp8 && kHeadDim == 256 && !kIsCausal && kLongTiles;
 #endif
   // O rescaled only where a row's max moved by more than softmax.h's kLazyThreshold (Softmax::kLazyRescale).
   // It pays where O's rescale is largest against the rest of a step: 16-bit d256 +2-5% in both masks, FP8 causal

@@ -29,11 +29,12 @@ def call_options(causal):
 
 
 def launch_forms():
-    """Each forward launch choice in turn: FLASH_EXT_PERSISTENT=0 (one CTA per tile), =1 (persistent), then
-    unset (each kernel's own choice, e.g. one CTA per tile on the persistent form's tiles for one wave).
+    """Each forward launch choice in turn: FLASH_EXT_PERSISTENT=0 (one CTA per tile), =1 (persistent), =2 (the
+    mid-length tiles, persistent, where a configuration has them: d128 non-causal; elsewhere as 1), then unset
+    (each kernel's own choice, e.g. one CTA per tile on the persistent form's tiles for one wave).
     Yields the setting's label; the variable is unset afterwards."""
     try:
-        for value in ("0", "1", None):
+        for value in ("0", "1", "2", None):
             if value is None:
                 os.environ.pop("FLASH_EXT_PERSISTENT", None)
             else:

@@ -165,6 +165,31 @@ def test_forward_launch_modes(headdim, causal, persistent, monkeypatch):
 
 
 @pytest.mark.parametrize("softcap", [0.0, 20.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mode", [None, "2"], ids=["default_choice", "forced"])
+def test_forward_mid_length_tiles(mode, dtype, softcap, monkeypatch):
+    """d128 non-causal has a third tile set for 2k-4k keys (tile_size.h's kStagesMid: the 128x128 tiles with three
+    K/V stages, persistent, unchained, O staged in V's last stage): chosen by default at 3001 keys (4 x 24 tiles of
+    128 rows: more than one wave), and forced (FLASH_EXT_PERSISTENT=2) at odd lengths with many tiles per CTA and
+    a partial last K/V block; GQA, softcap."""
+    _require_kernel(128, dtype, False)
+    if mode is None:
+        monkeypatch.delenv("FLASH_EXT_PERSISTENT", raising=False)
+        q, k, v = _make_qkv(4, 3001, 3001, 6, 2, 128, dtype, seed=71)
+    else:
+        monkeypatch.setenv("FLASH_EXT_PERSISTENT", mode)
+        q, k, v = _make_qkv(3, 777, 333, 40, 8, 128, dtype, seed=72)
+    batch, seqlen_q, nheads, headdim = q.shape
+    poison_allocator(((batch, seqlen_q, nheads, headdim), dtype), ((batch, nheads, seqlen_q), torch.float32))
+    out, lse = flash_ext.forward(q, k, v, softcap=softcap)
+    torch.cuda.synchronize()
+    assert not out.isnan().any() and not lse.isnan().any()
+    out_ref, lse_ref = attention_ref(q, k, v, softcap=softcap)
+    assert_out_within_rule(out, out_ref, attention_lowp(q, k, v, softcap=softcap), dtype)
+    assert_lse_matches(lse, lse_ref, 1e-3)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 20.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("window", [(-1, -1), (40, 0)], ids=["causal", "window40"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("headdim", [64, 96, 128])
