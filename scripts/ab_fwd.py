@@ -41,15 +41,20 @@ def main():
                              "last first, ...), and keep each one's best: so that no build always runs after another")
     parser.add_argument("--toggle", default="FLASH_EXT_PINGPONG", choices=("FLASH_EXT_PINGPONG", "FLASH_EXT_PERSISTENT", "none"),
                         help="a run-time switch to time on and off; none: each kernel's own choice only")
+    parser.add_argument("--values", default="1,0",
+                        help="the toggle's settings, in order; 'default' = unset (e.g. default,2,1,0 with "
+                             "FLASH_EXT_PERSISTENT: each kernel's choice, the mid-length tiles, persistent, one CTA per tile)")
     args = parser.parse_args()
     ops = build_ops(args.variants)
     for name, ns in ops.items():
         print(f"{name}: {ns.build_info()}")
 
     tag = {"FLASH_EXT_PINGPONG": "pp", "FLASH_EXT_PERSISTENT": "pers", "none": ""}[args.toggle]
-    settings = (None,) if args.toggle == "none" else (1, 0)
-    header = f"{'shape':<18}" + "".join(f"{n + ('' if on is None else ('/' if on else '/no') + tag):>14}"
-                                        for n in ops for on in settings)
+    settings = (None,) if args.toggle == "none" else tuple(
+        None if v == "default" else int(v) for v in args.values.split(","))
+    def label(on):
+        return "" if on is None else ("/no" + tag if on == 0 else f"/{tag}" + ("" if on == 1 else str(on)))
+    header = f"{'shape':<18}" + "".join(f"{n + label(on):>14}" for n in ops for on in settings)
     header += f"{'cuDNN':>10}{'FA2':>10}"
     print(header)
     for d in map(int, args.headdims.split(",")):
@@ -73,6 +78,8 @@ def main():
                             continue
                         if on is not None:
                             os.environ[args.toggle] = str(on)
+                        elif args.toggle != "none":
+                            os.environ.pop(args.toggle, None)
                         try:
                             out, _ = ns.fwd(q, k, v, *call)
                             err = (out[:1, :, :2].double() - ref).abs().max().item()
