@@ -1,5 +1,5 @@
-"""Runs every compiled 16-bit forward kernel in both launch forms (one CTA per tile, persistent:
-FLASH_EXT_PERSISTENT=0/1) and under the default choice (small grids: one CTA per tile on the persistent
+"""Runs every compiled 16-bit forward kernel in every launch form (one CTA per tile, persistent, the mid-length
+tiles where a configuration has them: FLASH_EXT_PERSISTENT=0/1/2) and under the default choice (small grids: one CTA per tile on the persistent
 form's tiles) on small odd shapes (GQA, partial last blocks, causal rows that see no key,
 many tiles per persistent CTA) with every mask and score option the kernel runs (sliding windows, softcap),
 without reference computations: the workload for compute-sanitizer.
