@@ -78,11 +78,12 @@ struct FwdLaunchPolicy {
   // Persistent while a tile spans at most this many keys; beyond, one CTA per tile. Both forms timed in one
   // process (perf-notes sections 15, 32, 39 and 47): persistent wins through 8k keys at d64 non-causal (+3%),
   // d128 causal (+2.8% at 8k since chaining, equal at 16k) and d192 causal (+5-8%), through 16k at d96 (chained:
-  // +4-9% from 4k to 8k, +1-4% at 16k), through 4k at d128 non-causal (+2%) and at d64 and d256 causal (+1-5% at
+  // +4-9% from 4k to 8k, +1-4% at 16k), through 4k at d128 non-causal (+2%; the chained base tiles through 2k since
+  // section 52, the mid-length set from 2k to 4k: kMidMaxKeys) and at d64 and d256 causal (+1-5% at
   // 4k once the L2 groups are equal, section 39), through 1k at d256 non-causal (equal at 1k, section 50), and
   // loses from 2k on at d192 non-causal (-1 to -4%); beyond those, the one-CTA-per-tile forms of d64 and d256
   // and of d128 non-causal have taller or wider tiles (sections 30, 36, 46 and 50), which win. Elsewhere 16
-  // K/V blocks. d128 non-causal: the chained base tiles through 2k keys, then the mid-length set (kMidMaxKeys).
+  // K/V blocks.
   static constexpr int persistent_max_keys() {
     if constexpr (Config::kIsFp8) {
       // FP8 (d256 has no persistent form; perf-notes section 41): persistent wins 11-25% at 512 keys and
