@@ -36,6 +36,7 @@ def main():
     parser.add_argument("--seqlens", default="1024,8192")
     parser.add_argument("--causal", default="0,1")
     parser.add_argument("--softcap", type=float, default=0.0, help="softcap of every call (0 = off)")
+    parser.add_argument("--gqa", type=int, default=1, help="query heads per K/V head (the benchmark's GQA grid: 8)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time the builds this many times per shape, in alternating order (main first, then "
                              "last first, ...), and keep each one's best: so that no build always runs after another")
@@ -61,12 +62,15 @@ def main():
         for causal in (c == "1" for c in args.causal.split(",")):
             for s in map(int, args.seqlens.split(",")):
                 b, h = 16384 // s, 2048 // d
-                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                k, v = (torch.randn(b, s, h // args.gqa, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
                 scale = 1 / math.sqrt(d)
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 mask = dict(causal=causal, softcap=args.softcap)
-                ref, _ = attention_ref(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], **mask)
-                err_pt = (attention_lowp(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2], **mask).double() - ref).abs().max().item()
+                kv_slice = 2 if args.gqa == 1 else 1  # the K/V heads of query heads 0 and 1
+                ref, _ = attention_ref(q[:1, :, :2], k[:1, :, :kv_slice], v[:1, :, :kv_slice], **mask)
+                err_pt = (attention_lowp(q[:1, :, :2], k[:1, :, :kv_slice], v[:1, :, :kv_slice], **mask).double()
+                          - ref).abs().max().item()
                 call = (scale, causal, None, None, None, -1, -1, args.softcap)
                 row = f"d{d} {'C' if causal else 'N'} s{s:<10}"
                 out_main = None  # every variant's whole output must equal the main build's default launch
@@ -104,7 +108,8 @@ def main():
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                 for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
                     with sdpa_kernel(backend):
-                        ms = timed(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                        ms = timed(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                          enable_gqa=args.gqa > 1))
                     row += f"{flops / ms / 1e9:>10.1f}"
                 print(row, flush=True)
 
