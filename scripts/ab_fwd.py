@@ -8,7 +8,7 @@ is compared with the main build's (the same arithmetic per tile gives the same b
 a difference is printed).
 
     PYTHONPATH=$PWD python3 scripts/ab_fwd.py --variants m128 --headdims 64,128,256 --seqlens 1024,8192
-(--softcap C: every call soft-capped; SDPA, which has none, is timed without.)
+(--softcap C: every call soft-capped; SDPA, which has none, is timed without. --gqa N: N query heads per K/V head.)
 """
 import argparse
 import math
@@ -62,6 +62,8 @@ def main():
         for causal in (c == "1" for c in args.causal.split(",")):
             for s in map(int, args.seqlens.split(",")):
                 b, h = 16384 // s, 2048 // d
+                if args.gqa < 1 or h % args.gqa:
+                    raise SystemExit(f"--gqa {args.gqa} must divide the {h} query heads of d{d}")
                 q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
                 k, v = (torch.randn(b, s, h // args.gqa, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
                 scale = 1 / math.sqrt(d)
