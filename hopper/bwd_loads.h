@@ -15,6 +15,7 @@
 
 #include "flash.h"
 #include "head_dim_boxes.h"
+#include "kernel_launch.h"
 #include "layouts.h"
 #include "mask.h"
 #include "softcap.h"
@@ -245,6 +246,8 @@ struct BwdLoads {
       }
     }();
     TmaRows const q_rows = params.seqs.q_rows(seq, work.batch);
+    // K and V are inputs; the statistics are the preprocess kernel's, which may still run (kernel_launch.h).
+    wait_for_primary_grid();
     for (int i = 0; i < work.count(); ++i) {
       int const head = work.head(i);
       int const m_block = work.m_block(i);

@@ -3,13 +3,16 @@
 // thread here reads the values that consumer thread of the same index held (coalesced 16-byte loads) and
 // places them in shared memory through the same TiledMma's coordinates; the block then leaves by whole
 // 16-byte row chunks. (Storing each value from its fragment coordinates straight to global memory, two
-// bytes at a time, made this kernel 3x slower: perf-notes section 17.)
+// bytes at a time, made this kernel 3x slower: perf-notes section 17.) A programmatic dependent of the main
+// kernel (kernel_launch.h): its launch overlaps the main kernel's tail; it waits for that grid before its
+// first read (dq's memory holds the statistics the main kernel reads).
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/array.h>
 
 #include "flash.h"
+#include "kernel_launch.h"
 #include "varlen.h"
 
 namespace flash {
@@ -40,6 +43,7 @@ struct BwdPostprocess {
   static dim3 grid(Sequences const& seqs) { return seqs.stats_grid<kBlockM>(); }
 
   __device__ static void run(Params const& params, char* smem) {
+    wait_for_primary_grid();
     int const head = blockIdx.y;
     auto const block = params.seqs.template stats_block<kBlockM>(params.stats_block_batch);
     if (block.batch < 0) { return; }

@@ -2,7 +2,11 @@
 // also depends on the LSE (dL/dS gains dLSE * P: the same form as the dPsum term); LSE into the log2
 // domain. The padding rows up to a whole query block are written too (the main kernel loads whole
 // blocks): there, and for rows that see no key (LSE = -inf), LSE_log2 = +inf, so that the main kernel's
-// P = exp2(S * scale_log2 - LSE_log2) is exactly 0.
+// P = exp2(S * scale_log2 - LSE_log2) is exactly 0. It also zeroes the block's dQ accumulator (and its
+// semaphore in deterministic mode; dq_accumulator.h) for the main kernel's adds: no memset of its own, whose
+// 134 MB at 16k tokens (hidden 2048) took 30 us and a launch (perf-notes section 54). The main kernel is
+// its programmatic dependent (kernel_launch.h): it may start loading K and V while this kernel's last CTAs
+// run, and waits for this grid before its first statistics and its first add.
 #pragma once
 
 #include <cmath>
@@ -12,6 +16,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "flash.h"
+#include "kernel_launch.h"
 #include "varlen.h"
 
 namespace flash {
@@ -33,12 +38,16 @@ struct BwdPreprocess {
     Sequences seqs;
     int const* stats_block_batch;  // varlen: the batch entry of each block of a head's statistics (varlen.h)
     int headdim;
+    float* accum;                // the dQ accumulator: blocks of accum_block_floats, one per block of statistics
+    int accum_block_floats;      // kBlockM x the kernel's head dim (a multiple of 4)
+    int* semaphores;             // one per block, deterministic mode only (else nullptr)
   };
 
   // A CTA per block of kBlockM query rows (Sequences::stats_grid).
   static dim3 grid(Sequences const& seqs) { return seqs.stats_grid<kBlockM>(); }
 
   __device__ static void run(Params const& params, char* /*smem*/) {
+    allow_dependent_launch();  // the main kernel waits for this grid's completion before it reads our output
     int const head = blockIdx.y;
     auto const block = params.seqs.template stats_block<kBlockM>(params.stats_block_batch);
     if (block.batch < 0) { return; }
@@ -47,6 +56,10 @@ struct BwdPreprocess {
     int64_t const stats_base = block.stats_base;
     int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int64_t const stats_row0 = stats_base + head * params.seqs.template stats_head_stride<kBlockM>();
+    int64_t const block_index = stats_row0 / kBlockM + m_block;  // as the main kernel and the postprocess count it
+    auto* accum = reinterpret_cast<float4*>(params.accum + block_index * params.accum_block_floats);
+    for (int i = int(threadIdx.x); i < params.accum_block_floats / 4; i += kNumThreads) { accum[i] = make_float4(0.f, 0.f, 0.f, 0.f); }
+    if (params.semaphores != nullptr && threadIdx.x == 0) { params.semaphores[block_index] = 0; }
     int64_t const lse_row0 = params.seqs.lse_row0(seq, batch, head);
     auto const* o = static_cast<Element const*>(params.o.ptr) + batch * params.o.batch_stride + head * params.o.head_stride +
                     seq.start_q * params.o.row_stride;

@@ -1,7 +1,10 @@
 // The warp-specialized backward kernel: one CTA per K/V block (of one K/V head and batch). Warpgroup 0:
 // warp 0 loads (bwd_loads.h); warp 1 adds each query block's staged dQ to global memory (where dQ is
 // staged); the other warpgroups compute (mainloop_bwd.h up to d128, mainloop_bwd_headsplit.h beyond) and
-// store dK, dV (epilogue_bwd.h).
+// store dK, dV (epilogue_bwd.h). A programmatic dependent of the preprocess kernel (kernel_launch.h): the
+// statistics and the zeroed accumulator are the preprocess's, so the loads of the statistics and the first
+// dQ adds wait for its grid; everything before (the prologue, K and V) overlaps its tail. Every CTA waits
+// in some thread, so this grid completes after the preprocess's.
 #pragma once
 
 #include <type_traits>
@@ -85,7 +88,11 @@ struct BwdKernel {
     using PipelinedO = typename Loads::PipelinedO;
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
     // Varlen grids are sized by a bound on the tiles: a CTA past the list's end has none.
-    if (!params.scheduler.valid(int(blockIdx.x))) { return; }
+    if (!params.scheduler.valid(int(blockIdx.x))) {
+      wait_for_primary_grid();
+      return;
+    }
+    allow_dependent_launch();  // the postprocess waits for this grid's completion before its first read
 
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     int const warp_idx = cutlass::canonical_warp_idx_sync();
@@ -146,6 +153,7 @@ struct BwdKernel {
         if (is_producer_thread) { Loads::load(params.loads, storage.loaded, storage.barriers, pipeline_q, pipeline_do, work); }
       } else if (warp_idx == 1) {
         if constexpr (!kDqFromRegisters) {
+          wait_for_primary_grid();  // the accumulator is zeroed by the preprocess
           DqAccum::writer_start(work.count());
           for (int i = 0; i < work.count(); ++i) {
             DqAccum::writer_add(params.dq, storage.dq, dq_block_index(i), dq_rank(i), i, work.count());
@@ -161,6 +169,7 @@ struct BwdKernel {
       Tensor tdKrdK = partition_fragment_C(tiled_mma_dkv, tile_dkv);
       Tensor tdVrdV = partition_fragment_C(tiled_mma_dkv, tile_dkv);
       Loads::wait_kv(storage.barriers);
+      if constexpr (kDqFromRegisters) { wait_for_primary_grid(); }  // they add to the preprocess's zeroed accumulator
       Mainloop::mma(params.loads, storage.loaded, storage.compute, pipeline_q, pipeline_do, work, thread_idx, tdKrdK, tdVrdV,
                     [&](auto const& tdQrdQ, int i, int slice) {
                       if constexpr (kDqFromRegisters) {

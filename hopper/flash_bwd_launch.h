@@ -1,5 +1,6 @@
 // Host side of one backward instantiation: the workspace, the three launches (preprocess, main kernel,
-// postprocess), registration. Included only by the generated files hopper/instantiations/flash_bwd_*.cu.
+// postprocess; the second and third as programmatic dependents of the one before: kernel_launch.h),
+// registration. Included only by the generated files hopper/instantiations/flash_bwd_*.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,7 +17,7 @@
 namespace flash {
 
 // The scratch memory of one call: the fp32 dQ accumulator and, in deterministic mode only, its semaphores
-// (both zeroed before the main kernel), and VarlenPrepare's region for varlen calls, carved from
+// (both zeroed by the preprocess kernel, block by block), and VarlenPrepare's region for varlen calls, carved from
 // BwdParams::workspace; and LSE_log2 and dPsum per query row, which live in dq's own memory when it can hold
 // them (dq is written only by the postprocess, after the main kernel's last read of them), else in the
 // workspace too. So the backward's peak memory is its outputs plus the accumulator. The accumulator and the
@@ -45,16 +46,16 @@ struct BwdWorkspace {
     stats_in_dq = 2 * size_t(stats_rows) * sizeof(float) <= size_t(p.dq_scratch_bytes);
   }
 
-  size_t zeroed_bytes() const { return accum_bytes + semaphore_bytes; }
-  size_t total() const { return zeroed_bytes() + varlen_bytes + (stats_in_dq ? 0 : 2 * size_t(stats_rows) * sizeof(float)); }
+  size_t accum_region_bytes() const { return accum_bytes + semaphore_bytes; }
+  size_t total() const { return accum_region_bytes() + varlen_bytes + (stats_in_dq ? 0 : 2 * size_t(stats_rows) * sizeof(float)); }
   static char* base(BwdParams const& p) { return static_cast<char*>(p.workspace); }
   float* accum(BwdParams const& p) const { return reinterpret_cast<float*>(base(p)); }
   int* semaphores(BwdParams const& p) const { return p.deterministic ? reinterpret_cast<int*>(base(p) + accum_bytes) : nullptr; }
-  void* varlen_base(BwdParams const& p) const { return base(p) + zeroed_bytes(); }
+  void* varlen_base(BwdParams const& p) const { return base(p) + accum_region_bytes(); }
   SeqInfo const* packed(BwdParams const& p) const { return varlen ? varlen_ws.seqs(varlen_base(p)) : nullptr; }
   int const* stats_block_batch(BwdParams const& p) const { return varlen ? varlen_ws.stats_block_batch(varlen_base(p)) : nullptr; }
   float* lse_log2(BwdParams const& p) const {
-    return stats_in_dq ? static_cast<float*>(p.dq.ptr) : reinterpret_cast<float*>(base(p) + zeroed_bytes() + varlen_bytes);
+    return stats_in_dq ? static_cast<float*>(p.dq.ptr) : reinterpret_cast<float*>(base(p) + accum_region_bytes() + varlen_bytes);
   }
   float* dpsum(BwdParams const& p) const { return lse_log2(p) + stats_rows; }
 };
@@ -74,7 +75,6 @@ struct BwdLauncher {
   static void run(BwdParams const& p, cudaStream_t stream) {
     int const device = current_device();
     Workspace const ws(p);
-    FLASH_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, ws.zeroed_bytes(), stream));
     if (ws.varlen) {
       StridedTensor const no_out{nullptr, 0, 0, 0};
       auto const prepare = ws.varlen_ws.params(p.varlen, p.seqlen_q, p.seqlen_k, ws.varlen_base(p), Config::kBlockN,
@@ -85,16 +85,17 @@ struct BwdLauncher {
     Sequences const seqs = Sequences::make(p, ws.packed(p));
 
     typename Preprocess::Params const pre{p.o, p.dout, p.lse, p.dlse, ws.lse_log2(p), ws.dpsum(p), seqs, ws.stats_block_batch(p),
-                                          p.headdim};
+                                          p.headdim, ws.accum(p), Kernel::DqAccum::kBlockFloats, ws.semaphores(p)};
     launch_kernel<Preprocess>(Preprocess::grid(seqs), pre, device, stream);
 
     auto const loads = Kernel::Loads::to_params(p, ws.lse_log2(p), ws.dpsum(p), ws.packed(p));
     typename Kernel::DqAccum::Params const dq{ws.accum(p), ws.semaphores(p), p.deterministic};
     auto const scheduler = Kernel::scheduler(p, ws.varlen_ws.tiles(ws.varlen_base(p)), ws.varlen_ws.max_tiles);
-    launch_kernel<Kernel>(scheduler.grid(/*persistent=*/false, 0), Kernel::to_params(p, loads, dq, scheduler), device, stream);
+    launch_kernel<Kernel>(scheduler.grid(/*persistent=*/false, 0), Kernel::to_params(p, loads, dq, scheduler), device, stream,
+                          /*dependent=*/true);
 
     typename Postprocess::Params const post{ws.accum(p), p.dq, seqs, ws.stats_block_batch(p), p.headdim, p.softmax_scale};
-    launch_kernel<Postprocess>(Postprocess::grid(seqs), post, device, stream);
+    launch_kernel<Postprocess>(Postprocess::grid(seqs), post, device, stream, /*dependent=*/true);
   }
 };
 

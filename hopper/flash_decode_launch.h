@@ -104,16 +104,7 @@ struct DecodeLauncher {
     if (params.num_splits > 1) {  // a programmatic dependent launch: it overlaps the decode kernel's tail
       using Combine = SplitCombine<typename Config::OutElement>;
       static_assert(Combine::kSharedStorageBytes == 0);
-      cudaLaunchAttribute dependent{};
-      dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      dependent.val.programmaticStreamSerializationAllowed = 1;
-      cudaLaunchConfig_t config{};
-      config.gridDim = Combine::grid(params);
-      config.blockDim = dim3(Combine::kNumThreads);
-      config.stream = stream;
-      config.attrs = &dependent;
-      config.numAttrs = 1;
-      FLASH_CUDA_CHECK(cudaLaunchKernelEx(&config, &device_kernel<Combine>, params));
+      launch_kernel<Combine>(Combine::grid(params), params, device, stream, /*dependent=*/true);
     }
   }
 };

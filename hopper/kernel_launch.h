@@ -1,6 +1,6 @@
 // Host side of launching a kernel class (a struct with Params, kNumThreads, kSharedStorageBytes and a
-// device run()): the __global__ entry point, CUDA error checks, and the per-device facts a launch needs,
-// looked up once per device rather than on every call.
+// device run()): the __global__ entry point, CUDA error checks, the per-device facts a launch needs,
+// looked up once per device rather than on every call, and programmatic dependent launches.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,6 +34,15 @@ __global__ void __launch_bounds__(Kernel::kNumThreads, Kernel::kMinBlocksPerSm)
 #endif
 }
 
+// Programmatic dependent launch: a kernel launched with `dependent` may start while the kernel before it in
+// the stream (the primary) still runs, once every CTA of the primary has called allow_dependent_launch (or
+// exited). It must call wait_for_primary_grid before it reads or writes anything the primary writes or reads;
+// the wait returns when the primary has completed and its memory is visible. Not CUTLASS's
+// launch_dependent_grids / wait_on_dependent_grids: theirs carry no "memory" clobber, so the compiler could
+// move loads above the wait.
+__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void wait_for_primary_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 constexpr int kMaxDevices = 64;
 
 inline int current_device() {
@@ -55,9 +64,11 @@ inline int num_sms(int device) {
 }
 
 // Launches Kernel on the current device and stream; the dynamic shared-memory limit (a per-device
-// attribute of the function) is raised on the first launch on each device.
+// attribute of the function) is raised on the first launch on each device. `dependent`: a programmatic
+// dependent launch (above).
 template <class Kernel>
-void launch_kernel(dim3 grid, typename Kernel::Params const& params, int device, cudaStream_t stream) {
+void launch_kernel(dim3 grid, typename Kernel::Params const& params, int device, cudaStream_t stream,
+                   bool dependent = false) {
   static std::atomic<bool> attribute_set[kMaxDevices] = {};
   auto kernel = &device_kernel<Kernel>;
   constexpr int kSmemBytes = Kernel::kSharedStorageBytes;
@@ -65,8 +76,22 @@ void launch_kernel(dim3 grid, typename Kernel::Params const& params, int device,
     FLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     attribute_set[device].store(true, std::memory_order_release);
   }
-  kernel<<<grid, Kernel::kNumThreads, kSmemBytes, stream>>>(params);
-  FLASH_CUDA_CHECK(cudaGetLastError());
+  if (!dependent) {
+    kernel<<<grid, Kernel::kNumThreads, kSmemBytes, stream>>>(params);
+    FLASH_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(Kernel::kNumThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  FLASH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
 }
 
 }  // namespace flash

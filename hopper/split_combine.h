@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "decode_params.h"
+#include "kernel_launch.h"
 #include "warp_mma.h"
 
 namespace flash {
@@ -76,13 +77,6 @@ struct SplitOutput {
     if (write_lse) { lse_part[part_lse_index(split, b, t, h)] = row_lse; }
   }
 };
-
-// Programmatic dependent launch (the combine after the decode kernel): the decode kernel's CTAs let the
-// combine's launch begin once they all run; the combine waits for the decode grid's completion and memory.
-// Not CUTLASS's launch_dependent_grids / wait_on_dependent_grids: theirs carry no "memory" clobber, so the
-// compiler could move the combine's loads of the parts above the wait.
-__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-__device__ __forceinline__ void wait_for_primary_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
 // Merges the splits' parts: one warp per output row (b, t, h). Launched as a programmatic dependent of the
 // decode kernel (flash_decode_launch.h), so its launch overlaps the decode kernel's tail.

@@ -160,6 +160,31 @@ def test_backward_deterministic_bitwise(headdim, causal, heads):
     _check_grads(q, k, v, dout, causal, deterministic=True)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("headdim", BWD_HEADDIMS)
+def test_backward_workspace_is_not_assumed_zero(headdim, deterministic):
+    """The preprocess kernel zeroes the dQ accumulator (and the deterministic mode's semaphores) block by
+    block, with no memset of its own: workspace memory full of NaN, or of an earlier call's sums, must not
+    reach dq (a block left unzeroed would make dq NaN, or twice its value on the second call)."""
+    _require_bwd_kernel(headdim, torch.bfloat16, True)
+    q, k, v, dout = _make(2, 300, 300, 4, 2, headdim, torch.bfloat16, seed=11 + headdim)
+    out, lse = flash_ext.forward(q, k, v, causal=True)
+    # NaN in both of the caching allocator's pools (blocks from 1 MB up, and the 2 MB segments of smaller ones).
+    poison = [torch.full((64 << 20,), float("nan"), device="cuda")] + [
+        torch.full((250_000,), float("nan"), device="cuda") for _ in range(8)]
+    del poison
+    first = flash_ext.backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
+    second = flash_ext.backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
+    torch.cuda.synchronize()
+    ref = _reference_grads(q, k, v, dout, True, upcast=True)
+    low = _reference_grads(q, k, v, dout, True, upcast=False)
+    assert_grads_within_rule(first, ref, low, q.dtype)
+    assert_grads_within_rule(second, ref, low, q.dtype)
+    if deterministic:
+        for name, a, b in zip(("dq", "dk", "dv"), first, second):
+            assert torch.equal(a, b), f"{name} differs between two deterministic calls"
+
+
 def test_autograd_through_forward_and_flash_attn_func():
     q, k, v, dout = _make(2, 200, 300, 8, 2, 128, torch.bfloat16, seed=1)
     _require_bwd_kernel(128, torch.bfloat16, True)
