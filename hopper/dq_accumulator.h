@@ -44,7 +44,7 @@ struct DqAccumulator {
   };
 
   struct Params {
-    float* accum;     // (batch, nheads, num_m_blocks, kBlockFloats), zeroed before the kernel
+    float* accum;     // (batch, nheads, num_m_blocks, kBlockFloats), zeroed by the preprocess kernel (bwd_preprocess.h)
     int* semaphores;  // (batch, nheads, num_m_blocks), zeroed; deterministic mode only
     bool deterministic;
   };
