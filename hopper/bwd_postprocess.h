@@ -20,8 +20,9 @@ namespace flash {
 using namespace cute;
 
 // DqTile: dQ's tile as the main kernel's GEMM computed it, (queries, head dim) or, kTransposed, (head dim,
-// queries).
-template <class Element, int kBlockM, int kHeadDim, class TiledMmadQ, class DqTile, bool kTransposed, int kNumMmaThreads>
+// queries). DqAccum: the main kernel's DqAccumulator, whose float4_index says where each thread's values lie.
+template <class Element, int kBlockM, int kHeadDim, class TiledMmadQ, class DqTile, bool kTransposed, int kNumMmaThreads,
+          class DqAccum>
 struct BwdPostprocess {
   static constexpr int kNumThreads = kNumMmaThreads;
   static constexpr int kMinBlocksPerSm = 2;
@@ -61,7 +62,7 @@ struct BwdPostprocess {
     static_assert(kValues * kNumThreads == kBlockFloats);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kValues / 4; ++j) {
-      float4 const v = src[j * kNumThreads + thread_idx];
+      float4 const v = src[DqAccum::float4_index(j, thread_idx)];
       float const values[4] = {v.x, v.y, v.z, v.w};
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < 4; ++e) {

@@ -9,9 +9,13 @@
 // - from registers (consumer_add): float4 reductions straight from the consumers' registers, where no
 //   shared memory is left for staging (d256); `red`, which returns nothing, not `atom` (atomicAdd): +17%
 //   at d256 (perf-notes section 16), the adds being bound by the L2 traffic.
-// The accumulator keeps the fragment order: value v of consumer thread t lands at float
-// ((v / 4) * kNumMmaThreads + t) * 4 + v % 4 of the block (conflict-free 16-byte accesses), and the
-// postprocess kernel reads it back through the same TiledMma.
+// Staged per warpgroup (BwdConfig::kDqPerWarpgroup: d64, d96, d128 causal), each consumer warpgroup's half of
+// the block has its own barriers and its own bulk add, so a warpgroup hands its dQ over without waiting for
+// the other (FA3's order; +1-5%, perf-notes section 55).
+// The accumulator keeps the fragment order (float4_index): value v of consumer thread t lands at float
+// ((v / 4) * kNumMmaThreads + t) * 4 + v % 4 of the block, or per warpgroup in that warpgroup's half, with
+// t its thread index within the warpgroup (conflict-free 16-byte accesses either way); the postprocess
+// kernel reads it back through the same TiledMma and float4_index.
 //
 // Deterministic mode: per (batch, head, query block) a semaphore counts the K/V blocks that have added
 // their contribution; the K/V block of rank r (its place among the blocks that see the query block, in
@@ -29,7 +33,7 @@ namespace flash {
 
 using namespace cute;
 
-template <int kBlockM, int kHeadDim, int kNumMmaThreads>
+template <int kBlockM, int kHeadDim, int kNumMmaThreads, bool kPerWarpgroup_ = false>
 struct DqAccumulator {
   static constexpr int kBlockFloats = kBlockM * kHeadDim;
 #if defined(FLASH_EXT_DQ_BUFFERS)
@@ -38,6 +42,20 @@ struct DqAccumulator {
   static constexpr int kBuffers = 1;  // 2 measured no faster, or slower (perf-notes sections 12, 17)
 #endif
   static constexpr uint32_t kBarrierThreads = kNumMmaThreads + cutlass::NumThreadsPerWarp;  // + the writer warp
+  static constexpr bool kPerWarpgroup = kPerWarpgroup_;  // BwdConfig::kDqPerWarpgroup
+  static constexpr int kWarpgroups = kNumMmaThreads / cutlass::NumThreadsPerWarpGroup;
+  static_assert(!kPerWarpgroup || (kBuffers == 1 && kWarpgroups == 2), "per-warpgroup staging: one buffer, two warpgroups");
+  static constexpr uint32_t kHalfBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
+  // Where float4 j of consumer thread t lives in a block (global memory and the staging buffer alike), in
+  // float4s. Per warpgroup: each warpgroup's part contiguous, so that it is added on its own.
+  __host__ __device__ static constexpr int float4_index(int j, int t) {
+    if constexpr (kPerWarpgroup) {
+      return (t / cutlass::NumThreadsPerWarpGroup) * (kBlockFloats / 4 / kWarpgroups) + j * cutlass::NumThreadsPerWarpGroup +
+             t % cutlass::NumThreadsPerWarpGroup;
+    } else {
+      return j * kNumMmaThreads + t;
+    }
+  }
 
   struct TensorStorage {
     alignas(128) float smem_dq[kBuffers][kBlockFloats];
@@ -57,18 +75,35 @@ struct DqAccumulator {
   __device__ static void consumer_store(TensorStorage& storage, FragdQ const& tdQrdQ, int thread_idx, int i) {
     constexpr int kValues = decltype(size(tdQrdQ))::value;
     static_assert(kValues % 4 == 0);
-    cutlass::arch::NamedBarrier::sync(kBarrierThreads, empty_barrier(i));
+    int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    if constexpr (kPerWarpgroup) {
+      cutlass::arch::NamedBarrier::sync(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQEmpty0) + wg);
+    } else {
+      cutlass::arch::NamedBarrier::sync(kBarrierThreads, empty_barrier(i));
+    }
     float4* dst = reinterpret_cast<float4*>(storage.smem_dq[i % kBuffers]);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kValues / 4; ++j) {
-      dst[j * kNumMmaThreads + thread_idx] = make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
+      dst[float4_index(j, thread_idx)] = make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the bulk copy unit
-    cutlass::arch::NamedBarrier::arrive(kBarrierThreads, full_barrier(i));
+    if constexpr (kPerWarpgroup) {
+      cutlass::arch::NamedBarrier::arrive(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQFull0) + wg);
+    } else {
+      cutlass::arch::NamedBarrier::arrive(kBarrierThreads, full_barrier(i));
+    }
   }
 
   // The writer warp (all 32 lanes), before its first block of `count`: the buffers start empty.
   __device__ static void writer_start(int count) {
+    if constexpr (kPerWarpgroup) {
+      if (count > 0) {
+        for (int wg = 0; wg < kWarpgroups; ++wg) {
+          cutlass::arch::NamedBarrier::arrive(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQEmpty0) + wg);
+        }
+      }
+      return;
+    }
     for (int b = 0; b < kBuffers && b < count; ++b) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, empty_barrier(b)); }
   }
 
@@ -76,6 +111,10 @@ struct DqAccumulator {
   // block `block_index` of the accumulator. `rank` orders the additions in deterministic mode.
   __device__ static void writer_add(Params const& params, TensorStorage& storage, int64_t block_index, int rank, int i,
                                     int count) {
+    if constexpr (kPerWarpgroup) {
+      writer_add_per_warpgroup(params, storage, block_index, rank, i, count);
+      return;
+    }
     cutlass::arch::NamedBarrier::sync(kBarrierThreads, full_barrier(i));
     bool const leader = cute::elect_one_sync();
     int* semaphore = params.semaphores + block_index;
@@ -98,6 +137,41 @@ struct DqAccumulator {
     }
   }
 
+  // writer_add with each warpgroup's part added as soon as that warpgroup has staged it, and handed back to it
+  // as soon as it is read: the warpgroups do not wait for each other here (FA3's order).
+  __device__ static void writer_add_per_warpgroup(Params const& params, TensorStorage& storage, int64_t block_index,
+                                                  int rank, int i, int count) {
+    constexpr int kPartFloats = kBlockFloats / kWarpgroups;
+    bool const leader = cute::elect_one_sync();
+    int* semaphore = params.semaphores + block_index;
+    if (leader && params.deterministic) {
+      while (load_acquire(semaphore) != rank) {}
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk adds follow the acquire
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int wg = 0; wg < kWarpgroups; ++wg) {
+      cutlass::arch::NamedBarrier::sync(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQFull0) + wg);
+      if (leader) {
+        bulk_reduce_add(params.accum + block_index * kBlockFloats + wg * kPartFloats, storage.smem_dq[0] + wg * kPartFloats,
+                        kPartFloats * int(sizeof(float)));
+        tma_store_arrive();
+      }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int wg = 0; wg < kWarpgroups; ++wg) {
+      if (leader) {
+        if (wg == 0) { tma_store_wait<kWarpgroups - 1>(); } else { tma_store_wait<0>(); }
+      }
+      __syncwarp();
+      if (i + 1 < count) { cutlass::arch::NamedBarrier::arrive(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQEmpty0) + wg); }
+    }
+    if (leader && params.deterministic) {
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds themselves have completed
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      store_release(semaphore, rank + 1);
+    }
+  }
+
   // Consumers, from registers: adds the fragment of dQ slice `slice` (of kSlices, computed in turn) to block
   // `block_index` of the accumulator. A thread's fragment of the block is its slices' fragments one after
   // the other, so slice j starts j slices' worth of floats into the block.
@@ -106,12 +180,12 @@ struct DqAccumulator {
                                       int rank, int slice) {
     constexpr int kValues = decltype(size(tdQrdQ))::value;
     static_assert(kValues % 4 == 0 && kSlices * kValues * kNumMmaThreads == kBlockFloats);
-    float4* dst = reinterpret_cast<float4*>(params.accum + block_index * kBlockFloats + slice * kValues * kNumMmaThreads) +
-                  thread_idx;
+    float4* dst = reinterpret_cast<float4*>(params.accum + block_index * kBlockFloats);
+    int const j0 = slice * (kValues / 4);
     if (!params.deterministic) {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kValues / 4; ++j) {
-        red_add(dst + j * kNumMmaThreads, tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
+        red_add(dst + float4_index(j0 + j, thread_idx), tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
       }
       return;
     }
@@ -125,9 +199,9 @@ struct DqAccumulator {
     }
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kValues / 4; ++j) {
-      float4 v = __ldcg(dst + j * kNumMmaThreads);  // from L2: this SM's L1 may hold an older copy
+      float4 v = __ldcg(dst + float4_index(j0 + j, thread_idx));  // from L2: this SM's L1 may hold an older copy
       v.x += tdQrdQ(4 * j), v.y += tdQrdQ(4 * j + 1), v.z += tdQrdQ(4 * j + 2), v.w += tdQrdQ(4 * j + 3);
-      dst[j * kNumMmaThreads] = v;
+      dst[float4_index(j0 + j, thread_idx)] = v;
     }
     if (slice == kSlices - 1) {
       __threadfence();

@@ -43,7 +43,7 @@ struct BwdKernel {
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr bool kDqFromRegisters = Mainloop::kDqFromRegisters;
 
-  using DqAccum = DqAccumulator<kBlockM, kHeadDim, kNumMmaThreads>;
+  using DqAccum = DqAccumulator<kBlockM, kHeadDim, kNumMmaThreads, Config::kDqPerWarpgroup>;
   using Epilogue = BwdEpilogue<Element, kBlockN, kHeadDim, typename Mainloop::SmemLayoutK, typename Mainloop::TiledMmadKV,
                                kNumMmaThreads, Mainloop::kTransposedDkv>;
   // K/V blocks in order: with a causal mask the first blocks see the most queries (longest first).

@@ -68,7 +68,7 @@ struct BwdLauncher {
   using Preprocess = BwdPreprocess<Element, Config::kBlockM>;
   using Postprocess = BwdPostprocess<Element, Config::kBlockM, kHeadDim, typename Kernel::Mainloop::TiledMmadQ,
                                      typename Kernel::Mainloop::DqTile, Kernel::Mainloop::kDqTransposed,
-                                     Kernel::kNumMmaThreads>;
+                                     Kernel::kNumMmaThreads, typename Kernel::DqAccum>;
 
   static size_t workspace_bytes(BwdParams const& p) { return Workspace(p).total(); }
 

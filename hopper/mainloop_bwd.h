@@ -42,6 +42,7 @@ struct BwdMainloop {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStagesQ = Config::kStagesQ;
   static constexpr int kStagesdO = Config::kStagesdO;
+  static constexpr int kStagesdS = Config::kStagesdS;  // dS^T buffers, used with Q's stages in turn where 2
   static constexpr bool kIsCausal = Config::kIsCausal;
   static constexpr int kNumMmaWarpGroups = Config::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
@@ -88,8 +89,9 @@ struct BwdMainloop {
   using SmemLayoutdO = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStagesdO>>{}));
   using SmemLayoutQt = decltype(transposed_view(SmemLayoutQ{}));  // (head dim, queries, stages)
   using SmemLayoutdOt = decltype(transposed_view(SmemLayoutdO{}));
-  // dS^T as the consumers write it (keys, queries), and viewed as dS (queries, keys): dQ's MN-major A.
-  using SmemLayoutdS = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  // dS^T as the consumers write it (keys, queries, buffers), and viewed as dS (queries, keys, buffers): dQ's
+  // MN-major A.
+  using SmemLayoutdS = decltype(smem_layout_k_major<Element>(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStagesdS>>{}));
   using SmemLayoutdSt = decltype(transposed_view(SmemLayoutdS{}));
   using Loads = BwdLoads<Element, kBlockM, kBlockN, kHeadDim, kNumMmaThreads, SmemLayoutQ, SmemLayoutdO, SmemLayoutK>;
   using PipelineQ = typename Loads::PipelineQ;
@@ -153,11 +155,19 @@ struct BwdMainloop {
     Tensor tdVrP = make_tensor(tSrP16.data(), acc_layout_to_a_regs<Element>(tSrP16.layout()));
     Tensor tdKrdS = make_tensor(tdPrdS16.data(), acc_layout_to_a_regs<Element>(tdPrdS16.layout()));
     Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, DqTile{});
+    // dQ's GEMM over dS^T buffer `ds_stage` (the dS operand carries the buffers' mode).
+    auto gemm_dq = [&](int ds_stage) __attribute__((always_inline)) {
+      if constexpr (kDqTransposed) {
+        warpgroup_gemm<-1>(tiled_mma_dq, tdQrA, tdQrB(_, _, _, ds_stage), tdQrdQ, /*zero_init=*/true);
+      } else {
+        warpgroup_gemm<-1>(tiled_mma_dq, tdQrA(_, _, _, ds_stage), tdQrB, tdQrdQ, /*zero_init=*/true);
+      }
+    };
 
     auto smem_tiled_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_sdp);
     auto smem_thread_copy_ds = smem_tiled_copy_ds.get_thread_slice(thread_idx);
     Tensor tdSrdS_copy = smem_thread_copy_ds.retile_S(tdPrdS16);
-    Tensor tdSsdS = smem_thread_copy_ds.partition_D(sdS);
+    Tensor tdSsdS = smem_thread_copy_ds.partition_D(sdS);  // (CPY, CPY_M, CPY_N, buffers)
 
     // The query (column) of each of this thread's accumulator columns, for LSE and dPsum.
     Tensor coords = thread_mma_sdp.partition_C(make_identity_tensor(tile_sdp));
@@ -174,12 +184,14 @@ struct BwdMainloop {
 
     // Q and dO advance together here (one state: a second one cost ptxas an 8-byte spill at d128).
     static_assert(kStagesQ == kStagesdO);
+    static_assert(kStagesdS == 1 || kStagesdS == kStagesQ, "dS^T buffers follow Q's stages");
     typename Loads::PipelineStateQ read_state;
     bool zero_init_dkv = true;
     auto step = [&](int i, auto masked) __attribute__((always_inline)) {
       constexpr bool kMasked = decltype(masked)::value;
       int const m_block = work.m_block(i);
       int const stage = read_state.index();
+      int const ds_stage = kStagesdS == 1 ? 0 : stage;
       pipeline_q.consumer_wait(read_state);
       warpgroup_gemm<-1>(tiled_mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS, /*zero_init=*/true);
       pipeline_do.consumer_wait(read_state);
@@ -233,17 +245,18 @@ struct BwdMainloop {
       // dV's GEMM is issued only now: issued before the dP^T wait, to overlap the dS math, it measured
       // 2-6% slower (perf-notes section 12). It runs while dS^T is stored and both warpgroups meet.
       warpgroup_gemm<-1>(tiled_mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV, zero_init_dkv);
-      copy(smem_tiled_copy_ds, tdSrdS_copy, tdSsdS);  // sdS is free: both warpgroups are past the last dQ GEMM
+      // This dS^T buffer is free: with one buffer both warpgroups are past the last dQ GEMM (store_dq's barrier
+      // joins them after it); with two, the dQ GEMM two blocks back, which both passed before the last kdSReady.
+      copy(smem_tiled_copy_ds, tdSrdS_copy, tdSsdS(_, _, _, ds_stage));
       cutlass::arch::fence_view_async_shared();  // dS^T written by stmatrix, read next by GMMA
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdSReady));
       // dQ before dK, so that dQ is handed over while dK's GEMM runs.
-      warpgroup_gemm<-1>(tiled_mma_dq, tdQrA, tdQrB, tdQrdQ, /*zero_init=*/true);
+      gemm_dq(ds_stage);
       warpgroup_gemm<-1>(tiled_mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK, zero_init_dkv);
       zero_init_dkv = false;
       warpgroup_wait<1>();  // dV and dQ done: this stage of dO is read
       warpgroup_fence_operand(tdQrdQ);
       pipeline_do.consumer_release(read_state);
-      // Its barrier also keeps sdS from being overwritten before both warpgroups' dQ GEMMs are done.
       store_dq(tdQrdQ, i, /*slice=*/0);
       warpgroup_wait<0>();  // dK done: this stage of Q is read
       warpgroup_fence_operand(tdVrdV);

@@ -216,6 +216,17 @@ struct BwdConfig {
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
+  // dQ staged per consumer warpgroup (dq_accumulator.h): each warpgroup's part is added, and its buffer handed
+  // back, on its own, so the warpgroups do not wait for each other there. That needs two dS^T buffers: a
+  // warpgroup may write the next block's dS^T while the other's dQ GEMM still reads this one. d64 +3-5%, d96
+  // +3-5%, d128 causal +1-2%; d128 non-causal (80-row blocks, dQ computed transposed) 10% slower (perf-notes
+  // section 55). Not d256: its dQ goes from registers.
+#if defined(FLASH_EXT_DQ_PER_WG)
+  static constexpr bool kDqPerWarpgroup = FLASH_EXT_DQ_PER_WG && !kHeadSplit;  // variant builds (A/B)
+#else
+  static constexpr bool kDqPerWarpgroup = !kHeadSplit && !(kHeadDim == 128 && !kIsCausal);
+#endif
+  static constexpr int kStagesdS = kDqPerWarpgroup ? 2 : 1;
 };
 
 }  // namespace flash
