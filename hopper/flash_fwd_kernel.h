@@ -312,7 +312,7 @@ struct FwdKernel {
       KeyBlocks const blocks = key_blocks(tile, seq);
       Mainloop::template load</*kLoopsOverTiles=*/false, /*kOOverV=*/false, decltype(part)::value>(
           params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, seq, blocks.min,
-          blocks.max, 0, [] {});
+          blocks.max, 0, [] {}, /*q_loaded=*/false, [] {});
     };
     if constexpr (!kPersistent) {
       if (warp_idx == 0) {
@@ -328,18 +328,34 @@ struct FwdKernel {
       if (is_producer_thread) {
         if constexpr (kPersistent) {
           int iteration = 0;
+          auto publish_end = [&storage](int iteration) {
+            return [&storage, slot = iteration & 1] { storage.tile_slots[slot] = TileCoord{-1, 0, 0}; };
+          };
           for (int t = scheduler.first(); scheduler.valid(t); ++iteration) {
             int const t_next = scheduler.next(t);  // a dynamic draw's latency hides behind this tile's loads
             TileCoord const tile = scheduler.coord(t);
             SeqInfo const seq = sequence(tile);
             KeyBlocks const blocks = key_blocks(tile, seq);
+            // Mainloop::kNextQEarly: the next tile's Q (or the end) from within this tile's loads.
+            auto next_q = [&] {
+              if (scheduler.valid(t_next)) {
+                TileCoord const next = scheduler.coord(t_next);
+                Mainloop::template load_q</*kLoopsOverTiles=*/true>(
+                    params.mainloop, storage.tensors.mainloop, storage.barriers, next, sequence(next), iteration + 1,
+                    [&storage, slot = (iteration + 1) & 1, next] { storage.tile_slots[slot] = next; });
+              } else {
+                Mainloop::load_end(storage.barriers, iteration + 1, publish_end(iteration + 1));
+              }
+            };
             Mainloop::template load</*kLoopsOverTiles=*/true, kOOverV>(
                 params.mainloop, storage.tensors.mainloop, storage.barriers, pipelines, write_state, tile, seq, blocks.min,
-                blocks.max, iteration, [&storage, slot = iteration & 1, tile] { storage.tile_slots[slot] = tile; });
+                blocks.max, iteration, [&storage, slot = iteration & 1, tile] { storage.tile_slots[slot] = tile; },
+                /*q_loaded=*/Mainloop::kNextQEarly && iteration > 0, next_q);
             t = t_next;
           }
-          Mainloop::load_end(storage.barriers, iteration,
-                             [&storage, slot = iteration & 1] { storage.tile_slots[slot] = TileCoord{-1, 0, 0}; });
+          if (!Mainloop::kNextQEarly || iteration == 0) {
+            Mainloop::load_end(storage.barriers, iteration, publish_end(iteration));
+          }
         } else {
           load_single_tile(std::integral_constant<LoadPart, LoadPart::kTail>{});
         }

@@ -48,6 +48,9 @@ struct FwdMainloop {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr int kStagesQ = Config::kStagesQ;  // 2 for chained tiles: the next tile's Q lands during this one
+  // Chained tiles: the next tile's Q issued kNextQLeadBlocks blocks before the tile's last K/V block, not after it.
+  static constexpr int kNextQLeadBlocks = Config::kNextQLeadBlocks;
+  static constexpr bool kNextQEarly = kStagesQ == 2 && kNextQLeadBlocks >= 0;
   static constexpr bool kIsCausal = Config::kIsCausal;
   static constexpr int kNumMmaWarpGroups = Config::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
@@ -339,26 +342,44 @@ struct FwdMainloop {
   // and then the remaining blocks (kTail). Both stages are free at the start, so kHead never waits.
   enum class LoadPart { kWhole, kHead, kTail };
 
-  template <bool kLoopsOverTiles, bool kOOverV, LoadPart kPart = LoadPart::kWhole, class PublishTile>
+  // Tile `tile_iteration`'s Q: once the tile kStagesQ before it no longer reads the buffer (CTAs that loop over
+  // tiles), the tile published (publish_tile) and Q's barrier armed, the copy. TMA thread.
+  template <bool kLoopsOverTiles, class PublishTile>
+  __device__ static void load_q(Params const& params, TensorStorage& tensors, BarrierStorage& barriers,
+                                TileCoord const& tile, SeqInfo const& seq, int tile_iteration, PublishTile&& publish_tile) {
+    if constexpr (kLoopsOverTiles) {
+      wait_q_empty(barriers, tile_iteration);
+      publish_tile();
+    }
+    Tensor sQ = make_tensor(make_smem_ptr(smem_q(tensors, tile_iteration % kStagesQ)), SmemLayoutQ{});
+    TmaRows const q_rows = params.seqs.q_rows(seq, tile.batch);
+    Tensor mQ = sequence_slice(params.tma_q.get_tma_tensor(params.shape_q), q_rows, tile.head);
+    Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeMNK{}), make_coord(tile.block, _0{}));  // (M, D)
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    using BarrierType = typename BarrierQ::ValueType;
+    BarrierQ& barrier_q = barriers.barrier_q[tile_iteration % kStagesQ];
+    barrier_q.arrive_and_expect_tx(kTmaBytesQ);
+    copy(params.tma_q.with(reinterpret_cast<BarrierType&>(barrier_q), 0), tQgQ, tQsQ);
+  }
+
+  // q_loaded: the tile's Q was issued by the previous tile's load (kNextQEarly). next_q: issues the next tile's Q
+  // (or the end), called once where kNextQEarly, kNextQLeadBlocks before the tile's last block or at its end.
+  template <bool kLoopsOverTiles, bool kOOverV, LoadPart kPart = LoadPart::kWhole, class PublishTile, class NextQ>
   __device__ static void load(Params const& params, TensorStorage& tensors, BarrierStorage& barriers,
                               Pipelines& pipelines, PipelineState& write_state, TileCoord const& tile, SeqInfo const& seq,
-                              int n_block_min, int n_block_max, int tile_iteration, PublishTile&& publish_tile) {
+                              int n_block_min, int n_block_max, int tile_iteration, PublishTile&& publish_tile,
+                              bool q_loaded, NextQ&& next_q) {
     PipelineKV& pipeline_k = pipelines.k;
     PipelineKV& pipeline_v = pipelines.v;
-    Tensor sQ = make_tensor(make_smem_ptr(smem_q(tensors, tile_iteration % kStagesQ)), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(tensors.smem_v.data()), SmemLayoutV{});
 
     int const head_kv = params.qheads_per_kvhead.div(tile.head);
-    TmaRows const q_rows = params.seqs.q_rows(seq, tile.batch), k_rows = params.seqs.k_rows(seq, tile.batch);
-    Tensor mQ = sequence_slice(params.tma_q.get_tma_tensor(params.shape_q), q_rows, tile.head);
+    TmaRows const k_rows = params.seqs.k_rows(seq, tile.batch);
     Tensor mK = sequence_slice(params.tma_k.get_tma_tensor(params.shape_k), k_rows, head_kv);
     Tensor mV = sequence_slice(params.tma_v.get_tma_tensor(params.shape_k), k_rows, head_kv);
-    Tensor gQ = local_tile(mQ, select<0, 2>(TileShapeMNK{}), make_coord(tile.block, _0{}));  // (M, D)
     Tensor gK = local_tile(mK, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));          // (N, D, n)
     Tensor gV = local_tile(mV, select<1, 2>(TileShapeMNK{}), make_coord(_, _0{}));          // (N, D, n)
-
-    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     // (TMA, n blocks) and (TMA, stages); named tensors rather than structured bindings, which C++17
     // lambdas cannot capture.
     auto const k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
@@ -385,14 +406,12 @@ struct FwdMainloop {
       bool const has_keys = n_block_max > n_block_min;
       if constexpr (kLoopsOverTiles) {
         if (has_keys) { load_k(n_block_max - 1); }
-        wait_q_empty(barriers, tile_iteration);
-        publish_tile();
       }
-      using BarrierType = typename BarrierQ::ValueType;
-      BarrierQ& barrier_q = barriers.barrier_q[tile_iteration % kStagesQ];
-      barrier_q.arrive_and_expect_tx(kTmaBytesQ);
-      copy(params.tma_q.with(reinterpret_cast<BarrierType&>(barrier_q), 0), tQgQ, tQsQ);
-      if (!has_keys) { return; }
+      if (!q_loaded) { load_q<kLoopsOverTiles>(params, tensors, barriers, tile, seq, tile_iteration, publish_tile); }
+      if (!has_keys) {
+        if constexpr (kNextQEarly) { next_q(); }
+        return;
+      }
       if constexpr (!kLoopsOverTiles) { load_k(n_block_max - 1); }
       if constexpr (kOOverV) {
         // A parity wait: the consumers are never two tiles ahead of it (their arrival for a tile comes after
@@ -402,18 +421,27 @@ struct FwdMainloop {
       load_v(n_block_max - 1);
     }
     if constexpr (kPart != LoadPart::kHead) {
+      // The block before whose loads the next tile's Q goes (kNextQEarly); none in the loop: after it.
+      [[maybe_unused]] int const next_q_block = min(n_block_max - 2, n_block_min + kNextQLeadBlocks);
       // Not unrolled: the producer has 32 registers beside three consumer warpgroups, and the unrolled loop's
       // precomputed addresses spilled there (64 bytes at d64, persistent).
 #pragma unroll 1
       for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
+        if constexpr (kNextQEarly) {
+          if (n_block == next_q_block) { next_q(); }
+        }
         load_k(n_block);
         load_v(n_block);
+      }
+      if constexpr (kNextQEarly) {
+        if (next_q_block < n_block_min) { next_q(); }
       }
     }
   }
 
   // CTAs that loop over tiles: instead of a further tile's Q, completes Q's barrier with no data once the
   // consumers are done with the last tile; they find no tile after `publish_end` and stop. TMA thread.
+  // kNextQEarly: the last tile's next_q calls it.
   template <class PublishEnd>
   __device__ static void load_end(BarrierStorage& barriers, int tile_iteration, PublishEnd&& publish_end) {
     wait_q_empty(barriers, tile_iteration);

@@ -118,6 +118,15 @@ struct FwdConfig {
       kChainTilesWanted && !kIsFp8 && kTiles_ == FwdTiles::kBase &&
       ((3 * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element_)) + 2048 <= 227 * 1024);
   static constexpr int kStagesQ = kChainTiles ? 2 : 1;  // Q buffers
+  // Chained tiles: the producer issues the next tile's Q this many K/V blocks before the tile's last one (its
+  // buffer is free since the previous tile's last GEMM0), instead of after the tile's last K/V block, where it
+  // waited behind them; < 0: after. d128: +1-4% at 512-2k keys, both masks (5 blocks; 2: +1-2%); d64 lost 6-7%
+  // at two shapes of eight with either lead, also when Q waited for no buffer (perf-notes section 56).
+#ifdef FLASH_EXT_NEXT_Q_LEAD  // variant builds (A/B)
+  static constexpr int kNextQLeadBlocks = FLASH_EXT_NEXT_Q_LEAD;
+#else
+  static constexpr int kNextQLeadBlocks = kHeadDim == 128 ? 5 : -1;
+#endif
   // FP8 V given column-major, its keys (sequence dim) contiguous (FA3's V_colmajor): GEMM1 reads it as the
   // TMA loads it, and P's registers are exchanged within each quad into the keys' natural order
   // (convert_acc_to_a_regs_natural_fp8 in utils.h) instead of V being transposed in shared memory.
