@@ -33,7 +33,7 @@ namespace flash {
 
 using namespace cute;
 
-template <int kBlockM, int kHeadDim, int kNumMmaThreads, bool kPerWarpgroup_ = false>
+template <int kBlockM, int kHeadDim, int kNumMmaThreads, bool kPerWarpgroup_>
 struct DqAccumulator {
   static constexpr int kBlockFloats = kBlockM * kHeadDim;
 #if defined(FLASH_EXT_DQ_BUFFERS)
@@ -75,7 +75,7 @@ struct DqAccumulator {
   __device__ static void consumer_store(TensorStorage& storage, FragdQ const& tdQrdQ, int thread_idx, int i) {
     constexpr int kValues = decltype(size(tdQrdQ))::value;
     static_assert(kValues % 4 == 0);
-    int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    int const wg = kPerWarpgroup ? thread_idx / cutlass::NumThreadsPerWarpGroup : 0;
     if constexpr (kPerWarpgroup) {
       cutlass::arch::NamedBarrier::sync(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQEmpty0) + wg);
     } else {
@@ -107,6 +107,22 @@ struct DqAccumulator {
     for (int b = 0; b < kBuffers && b < count; ++b) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, empty_barrier(b)); }
   }
 
+  // Deterministic mode, the writer's leader lane: the additions to one accumulator block take turns by rank (the
+  // semaphore holds the next rank); wait_turn before this rank's bulk adds, pass_turn once they have completed.
+  __device__ static void wait_turn(Params const& params, int const* semaphore, int rank) {
+    if (params.deterministic) {
+      while (load_acquire(semaphore) != rank) {}
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk adds follow the acquire
+    }
+  }
+  __device__ static void pass_turn(Params const& params, int* semaphore, int rank) {
+    if (params.deterministic) {
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds themselves have completed
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      store_release(semaphore, rank + 1);
+    }
+  }
+
   // The writer warp, for the i-th of `count` query blocks, in the consumers' order: adds the staged block to
   // block `block_index` of the accumulator. `rank` orders the additions in deterministic mode.
   __device__ static void writer_add(Params const& params, TensorStorage& storage, int64_t block_index, int rank, int i,
@@ -119,10 +135,7 @@ struct DqAccumulator {
     bool const leader = cute::elect_one_sync();
     int* semaphore = params.semaphores + block_index;
     if (leader) {
-      if (params.deterministic) {
-        while (load_acquire(semaphore) != rank) {}
-        asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk add follows the acquire
-      }
+      wait_turn(params, semaphore, rank);
       bulk_reduce_add(params.accum + block_index * kBlockFloats, storage.smem_dq[i % kBuffers],
                       kBlockFloats * int(sizeof(float)));
       tma_store_arrive();   // commit the bulk group
@@ -130,11 +143,7 @@ struct DqAccumulator {
     }
     __syncwarp();
     if (i + kBuffers < count) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, empty_barrier(i)); }
-    if (leader && params.deterministic) {
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the add itself has completed
-      asm volatile("fence.proxy.async.global;" ::: "memory");
-      store_release(semaphore, rank + 1);
-    }
+    if (leader) { pass_turn(params, semaphore, rank); }
   }
 
   // writer_add with each warpgroup's part added as soon as that warpgroup has staged it, and handed back to it
@@ -144,10 +153,7 @@ struct DqAccumulator {
     constexpr int kPartFloats = kBlockFloats / kWarpgroups;
     bool const leader = cute::elect_one_sync();
     int* semaphore = params.semaphores + block_index;
-    if (leader && params.deterministic) {
-      while (load_acquire(semaphore) != rank) {}
-      asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk adds follow the acquire
-    }
+    if (leader) { wait_turn(params, semaphore, rank); }
     CUTLASS_PRAGMA_UNROLL
     for (int wg = 0; wg < kWarpgroups; ++wg) {
       cutlass::arch::NamedBarrier::sync(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQFull0) + wg);
@@ -165,11 +171,7 @@ struct DqAccumulator {
       __syncwarp();
       if (i + 1 < count) { cutlass::arch::NamedBarrier::arrive(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQEmpty0) + wg); }
     }
-    if (leader && params.deterministic) {
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds themselves have completed
-      asm volatile("fence.proxy.async.global;" ::: "memory");
-      store_release(semaphore, rank + 1);
-    }
+    if (leader) { pass_turn(params, semaphore, rank); }
   }
 
   // Consumers, from registers: adds the fragment of dQ slice `slice` (of kSlices, computed in turn) to block
