@@ -8,7 +8,8 @@ is compared with the main build's (the same arithmetic per tile gives the same b
 a difference is printed).
 
     PYTHONPATH=$PWD python3 scripts/ab_fwd.py --variants m128 --headdims 64,128,256 --seqlens 1024,8192
-(--softcap C: every call soft-capped; SDPA, which has none, is timed without. --gqa N: N query heads per K/V head.)
+(--softcap C: every call soft-capped; SDPA, which has none, is timed without. --gqa N: N query heads per K/V head.
+--fa3: FlashAttention-3's forward in a last column, from flash_attn_interface on PYTHONPATH; not soft-capped.)
 """
 import argparse
 import math
@@ -45,7 +46,11 @@ def main():
     parser.add_argument("--values", default="1,0",
                         help="the toggle's settings, in order; 'default' = unset (e.g. default,2,1,0 with "
                              "FLASH_EXT_PERSISTENT: each kernel's choice, the mid-length tiles, persistent, one CTA per tile)")
+    parser.add_argument("--fa3", action="store_true", help="time FlashAttention-3 too (flash_attn_interface)")
     args = parser.parse_args()
+    fa3 = None
+    if args.fa3:
+        import flash_attn_interface as fa3
     ops = build_ops(args.variants)
     for name, ns in ops.items():
         print(f"{name}: {ns.build_info()}")
@@ -56,7 +61,7 @@ def main():
     def label(on):
         return "" if on is None else ("/no" + tag if on == 0 else f"/{tag}" + ("" if on == 1 else str(on)))
     header = f"{'shape':<18}" + "".join(f"{n + label(on):>14}" for n in ops for on in settings)
-    header += f"{'cuDNN':>10}{'FA2':>10}"
+    header += f"{'cuDNN':>10}{'FA2':>10}" + (f"{'FA3':>10}" if fa3 else "")
     print(header)
     for d in map(int, args.headdims.split(",")):
         for causal in (c == "1" for c in args.causal.split(",")):
@@ -112,6 +117,9 @@ def main():
                     with sdpa_kernel(backend):
                         ms = timed(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
                                                                           enable_gqa=args.gqa > 1))
+                    row += f"{flops / ms / 1e9:>10.1f}"
+                if fa3 is not None:
+                    ms = timed(lambda: fa3.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
                     row += f"{flops / ms / 1e9:>10.1f}"
                 print(row, flush=True)
 

@@ -1,4 +1,5 @@
-"""Forward calls of one shape, for Nsight Compute: ours (default) or SDPA's cuDNN backend (--impl cudnn),
+"""Forward calls of one shape, for Nsight Compute: ours (default), SDPA's cuDNN backend (--impl cudnn) or
+FlashAttention-3's (--impl fa3: flash_attn_interface on PYTHONPATH; its kernel matches `regex:FlashAttnFwd`),
 three warm-up calls, then the one to profile, inside cudaProfilerStart/Stop:
 
     ncu --profile-from-start off ... python3 scripts/profile_fwd.py --headdim 256 --seqlen 512 [--causal] \
@@ -18,7 +19,7 @@ import flash_ext
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=("ours", "cudnn"), default="ours")
+    parser.add_argument("--impl", choices=("ours", "cudnn", "fa3"), default="ours")
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--causal", action="store_true")
@@ -33,6 +34,11 @@ def main():
     if args.impl == "ours":
         def call():
             return flash_ext.forward(q, k, v, softmax_scale=scale, causal=args.causal, softcap=args.softcap)
+    elif args.impl == "fa3":
+        import flash_attn_interface
+
+        def call():
+            return flash_attn_interface.flash_attn_func(q, k, v, softmax_scale=scale, causal=args.causal)
     else:
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
