@@ -201,10 +201,11 @@ struct BwdConfig {
   static constexpr int kBlockM = FLASH_EXT_BWD_TILE_M;  // tile experiments in variant builds only
 #else
   // Queries per step. d64: 128, twice the GEMM work per barrier and per load (+5% non-causal, +8% causal
-  // at 8k). d128 non-causal: 80 (+0-4% at 8k, +7% at 2k; dQ is then computed transposed, mainloop_bwd.h).
-  // Otherwise 64: the dK/dV accumulators leave no registers for larger S^T and dP^T tiles (perf-notes
-  // section 16).
-  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : (kHeadDim == 128 && !kIsCausal ? 80 : 64);
+  // at 8k). Otherwise 64: the dK/dV accumulators leave no registers for larger S^T and dP^T tiles (perf-notes
+  // section 16). d128 non-causal ran 80 (+0-4% at 8k, +7% at 2k against 64 then), until 64 with dQ staged per
+  // warpgroup beat it by 2-7% at 512-8k (section 56). 80-row blocks (variant builds) compute dQ transposed
+  // (mainloop_bwd.h's kDqTransposed).
+  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
 #endif
 #if defined(FLASH_EXT_BWD_TILE_N)
   static constexpr int kBlockN = FLASH_EXT_BWD_TILE_N;  // tile experiments in variant builds only
@@ -228,12 +229,13 @@ struct BwdConfig {
   // dQ staged per consumer warpgroup (dq_accumulator.h): each warpgroup's part is added, and its buffer handed
   // back, on its own, so the warpgroups do not wait for each other there. That needs two dS^T buffers: a
   // warpgroup may write the next block's dS^T while the other's dQ GEMM still reads this one. d64 +3-5%, d96
-  // +3-5%, d128 causal +1-2%; d128 non-causal (80-row blocks, dQ computed transposed) 10% slower (perf-notes
-  // section 55). Not d256: its dQ goes from registers.
+  // +3-5%, d128 causal +1-2% (perf-notes section 55); d128 non-causal, with 64-row blocks, +1-3% over shared
+  // staging (section 56; on 80-row blocks, dQ computed transposed, it was 10% slower). Not d256: its dQ goes from
+  // registers.
 #if defined(FLASH_EXT_DQ_PER_WG)
   static constexpr bool kDqPerWarpgroup = FLASH_EXT_DQ_PER_WG && !kHeadSplit;  // variant builds (A/B)
 #else
-  static constexpr bool kDqPerWarpgroup = !kHeadSplit && !(kHeadDim == 128 && !kIsCausal);
+  static constexpr bool kDqPerWarpgroup = !kHeadSplit;
 #endif
   static constexpr int kStagesdS = kDqPerWarpgroup ? 2 : 1;
 };
