@@ -19,10 +19,10 @@ namespace flash {
 
 using namespace cute;
 
-// DqTile: dQ's tile as the main kernel's GEMM computed it, (queries, head dim) or, kTransposed, (head dim,
-// queries). DqAccum: the main kernel's DqAccumulator, whose float4_index says where each thread's values lie.
-template <class Element, int kBlockM, int kHeadDim, class TiledMmadQ, class DqTile, bool kTransposed, int kNumMmaThreads,
-          class DqAccum>
+// TiledMmadQ: the main kernel's dQ GEMM, (queries, head dim), or one slice of the head dim wide beyond d128 (a
+// thread's fragment of the block is then its slices' one after the other). DqAccum: the main kernel's
+// DqAccumulator, whose float4_index says where each thread's values lie.
+template <class Element, int kBlockM, int kHeadDim, class TiledMmadQ, int kNumMmaThreads, class DqAccum>
 struct BwdPostprocess {
   static constexpr int kNumThreads = kNumMmaThreads;
   static constexpr int kMinBlocksPerSm = 2;
@@ -57,7 +57,8 @@ struct BwdPostprocess {
     auto* tile = reinterpret_cast<Element*>(smem);  // (kBlockM, kRowPitch)
 
     TiledMmadQ tiled_mma;
-    Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(DqTile{}));
+    auto const tile_dq = Shape<Int<kBlockM>, Int<kHeadDim>>{};  // (queries, head dim)
+    Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(tile_dq));
     constexpr int kValues = decltype(size(coords))::value;
     static_assert(kValues * kNumThreads == kBlockFloats);
     CUTLASS_PRAGMA_UNROLL
@@ -66,8 +67,8 @@ struct BwdPostprocess {
       float const values[4] = {v.x, v.y, v.z, v.w};
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < 4; ++e) {
-        int const row = int(get<kTransposed ? 1 : 0>(coords(4 * j + e)));
-        int const col = int(get<kTransposed ? 0 : 1>(coords(4 * j + e)));
+        int const row = int(get<0>(coords(4 * j + e)));
+        int const col = int(get<1>(coords(4 * j + e)));
         tile[row * kRowPitch + col] = Element(values[e] * params.softmax_scale);
       }
     }

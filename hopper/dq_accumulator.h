@@ -3,19 +3,18 @@
 // postprocess kernel scales and converts to dq.
 //
 // Two ways in, by what shared memory allows:
-// - staged (consumer_store): the consumers stage their fragments in shared memory (kBuffers buffers used
-//   in turn); one warp of the producer warpgroup adds each staged block to global memory with a bulk
-//   reduce-add (cp.reduce.async.bulk .add.f32), so the consumers never wait on global memory;
+// - staged (consumer_store; up to d128): each consumer warpgroup stages its half of the block in shared
+//   memory; one warp of the producer warpgroup adds each half to global memory with a bulk reduce-add
+//   (cp.reduce.async.bulk .add.f32) as soon as it is staged, and hands it back as soon as it is read, so the
+//   consumers never wait on global memory, nor the warpgroups for each other (FA3's order; +1-5% over staging
+//   the whole block, perf-notes sections 55 and 56);
 // - from registers (consumer_add): float4 reductions straight from the consumers' registers, where no
 //   shared memory is left for staging (d256); `red`, which returns nothing, not `atom` (atomicAdd): +17%
 //   at d256 (perf-notes section 16), the adds being bound by the L2 traffic.
-// Staged per warpgroup (BwdConfig::kDqPerWarpgroup: d64, d96, d128 causal), each consumer warpgroup's half of
-// the block has its own barriers and its own bulk add, so a warpgroup hands its dQ over without waiting for
-// the other (FA3's order; +1-5%, perf-notes section 55).
-// The accumulator keeps the fragment order (float4_index): value v of consumer thread t lands at float
-// ((v / 4) * kNumMmaThreads + t) * 4 + v % 4 of the block, or per warpgroup in that warpgroup's half, with
-// t its thread index within the warpgroup (conflict-free 16-byte accesses either way); the postprocess
-// kernel reads it back through the same TiledMma and float4_index.
+// The accumulator keeps the fragment order (float4_index): from registers, value v of consumer thread t lands
+// at float ((v / 4) * kNumMmaThreads + t) * 4 + v % 4 of the block; staged, at that place in its warpgroup's
+// half, counting the threads of one warpgroup instead (conflict-free 16-byte accesses either way); the
+// postprocess kernel reads it back through the same TiledMma and float4_index.
 //
 // Deterministic mode: per (batch, head, query block) a semaphore counts the K/V blocks that have added
 // their contribution; the K/V block of rank r (its place among the blocks that see the query block, in
@@ -33,23 +32,17 @@ namespace flash {
 
 using namespace cute;
 
-template <int kBlockM, int kHeadDim, int kNumMmaThreads, bool kPerWarpgroup_>
+template <int kBlockM, int kHeadDim, int kNumMmaThreads, bool kStaged_>
 struct DqAccumulator {
   static constexpr int kBlockFloats = kBlockM * kHeadDim;
-#if defined(FLASH_EXT_DQ_BUFFERS)
-  static constexpr int kBuffers = FLASH_EXT_DQ_BUFFERS;  // experiments in variant builds only
-#else
-  static constexpr int kBuffers = 1;  // 2 measured no faster, or slower (perf-notes sections 12, 17)
-#endif
-  static constexpr uint32_t kBarrierThreads = kNumMmaThreads + cutlass::NumThreadsPerWarp;  // + the writer warp
-  static constexpr bool kPerWarpgroup = kPerWarpgroup_;  // BwdConfig::kDqPerWarpgroup
+  static constexpr bool kStaged = kStaged_;  // false: from registers (the mainloop's kDqFromRegisters)
   static constexpr int kWarpgroups = kNumMmaThreads / cutlass::NumThreadsPerWarpGroup;
-  static_assert(!kPerWarpgroup || (kBuffers == 1 && kWarpgroups == 2), "per-warpgroup staging: one buffer, two warpgroups");
-  static constexpr uint32_t kHalfBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
+  static_assert(!kStaged || kWarpgroups == 2, "staged dQ: a barrier pair for each of two warpgroups (named_barriers.h)");
+  static constexpr uint32_t kHalfBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;  // + the writer warp
   // Where float4 j of consumer thread t lives in a block (global memory and the staging buffer alike), in
-  // float4s. Per warpgroup: each warpgroup's part contiguous, so that it is added on its own.
+  // float4s. Staged: each warpgroup's half contiguous, so that it is added on its own.
   __host__ __device__ static constexpr int float4_index(int j, int t) {
-    if constexpr (kPerWarpgroup) {
+    if constexpr (kStaged) {
       return (t / cutlass::NumThreadsPerWarpGroup) * (kBlockFloats / 4 / kWarpgroups) + j * cutlass::NumThreadsPerWarpGroup +
              t % cutlass::NumThreadsPerWarpGroup;
     } else {
@@ -58,7 +51,7 @@ struct DqAccumulator {
   }
 
   struct TensorStorage {
-    alignas(128) float smem_dq[kBuffers][kBlockFloats];
+    alignas(128) float smem_dq[kBlockFloats];  // one buffer: two measured no faster (perf-notes sections 12, 17)
   };
 
   struct Params {
@@ -67,44 +60,31 @@ struct DqAccumulator {
     bool deterministic;
   };
 
-  static __device__ __forceinline__ uint32_t empty_barrier(int i) { return uint32_t(BwdNamedBarriers::kdQEmpty0) + i % kBuffers; }
-  static __device__ __forceinline__ uint32_t full_barrier(int i) { return uint32_t(BwdNamedBarriers::kdQFull0) + i % kBuffers; }
+  static __device__ __forceinline__ uint32_t empty_barrier(int wg) { return uint32_t(BwdNamedBarriers::kdQEmpty0) + wg; }
+  static __device__ __forceinline__ uint32_t full_barrier(int wg) { return uint32_t(BwdNamedBarriers::kdQFull0) + wg; }
 
-  // Consumers, for the i-th query block: wait for its buffer, stage the fragment, hand it to the writer.
+  // Consumers, per query block: wait for their warpgroup's half of the buffer, stage the fragment, hand the half
+  // to the writer.
   template <class FragdQ>
-  __device__ static void consumer_store(TensorStorage& storage, FragdQ const& tdQrdQ, int thread_idx, int i) {
+  __device__ static void consumer_store(TensorStorage& storage, FragdQ const& tdQrdQ, int thread_idx) {
     constexpr int kValues = decltype(size(tdQrdQ))::value;
     static_assert(kValues % 4 == 0);
-    int const wg = kPerWarpgroup ? thread_idx / cutlass::NumThreadsPerWarpGroup : 0;
-    if constexpr (kPerWarpgroup) {
-      cutlass::arch::NamedBarrier::sync(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQEmpty0) + wg);
-    } else {
-      cutlass::arch::NamedBarrier::sync(kBarrierThreads, empty_barrier(i));
-    }
-    float4* dst = reinterpret_cast<float4*>(storage.smem_dq[i % kBuffers]);
+    int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    cutlass::arch::NamedBarrier::sync(kHalfBarrierThreads, empty_barrier(wg));
+    float4* dst = reinterpret_cast<float4*>(storage.smem_dq);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kValues / 4; ++j) {
       dst[float4_index(j, thread_idx)] = make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the bulk copy unit
-    if constexpr (kPerWarpgroup) {
-      cutlass::arch::NamedBarrier::arrive(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQFull0) + wg);
-    } else {
-      cutlass::arch::NamedBarrier::arrive(kBarrierThreads, full_barrier(i));
-    }
+    cutlass::arch::NamedBarrier::arrive(kHalfBarrierThreads, full_barrier(wg));
   }
 
-  // The writer warp (all 32 lanes), before its first block of `count`: the buffers start empty.
+  // The writer warp (all 32 lanes), before its first block of `count`: both halves start empty.
   __device__ static void writer_start(int count) {
-    if constexpr (kPerWarpgroup) {
-      if (count > 0) {
-        for (int wg = 0; wg < kWarpgroups; ++wg) {
-          cutlass::arch::NamedBarrier::arrive(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQEmpty0) + wg);
-        }
-      }
-      return;
+    if (count > 0) {
+      for (int wg = 0; wg < kWarpgroups; ++wg) { cutlass::arch::NamedBarrier::arrive(kHalfBarrierThreads, empty_barrier(wg)); }
     }
-    for (int b = 0; b < kBuffers && b < count; ++b) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, empty_barrier(b)); }
   }
 
   // Deterministic mode, the writer's leader lane: the additions to one accumulator block take turns by rank (the
@@ -124,41 +104,20 @@ struct DqAccumulator {
   }
 
   // The writer warp, for the i-th of `count` query blocks, in the consumers' order: adds the staged block to
-  // block `block_index` of the accumulator. `rank` orders the additions in deterministic mode.
+  // block `block_index` of the accumulator, each warpgroup's half as soon as that warpgroup has staged it, and
+  // hands each half back as soon as it is read: the warpgroups do not wait for each other here (FA3's order).
+  // `rank` orders the additions in deterministic mode.
   __device__ static void writer_add(Params const& params, TensorStorage& storage, int64_t block_index, int rank, int i,
                                     int count) {
-    if constexpr (kPerWarpgroup) {
-      writer_add_per_warpgroup(params, storage, block_index, rank, i, count);
-      return;
-    }
-    cutlass::arch::NamedBarrier::sync(kBarrierThreads, full_barrier(i));
-    bool const leader = cute::elect_one_sync();
-    int* semaphore = params.semaphores + block_index;
-    if (leader) {
-      wait_turn(params, semaphore, rank);
-      bulk_reduce_add(params.accum + block_index * kBlockFloats, storage.smem_dq[i % kBuffers],
-                      kBlockFloats * int(sizeof(float)));
-      tma_store_arrive();   // commit the bulk group
-      tma_store_wait<0>();  // ... until it has read the staging buffer
-    }
-    __syncwarp();
-    if (i + kBuffers < count) { cutlass::arch::NamedBarrier::arrive(kBarrierThreads, empty_barrier(i)); }
-    if (leader) { pass_turn(params, semaphore, rank); }
-  }
-
-  // writer_add with each warpgroup's part added as soon as that warpgroup has staged it, and handed back to it
-  // as soon as it is read: the warpgroups do not wait for each other here (FA3's order).
-  __device__ static void writer_add_per_warpgroup(Params const& params, TensorStorage& storage, int64_t block_index,
-                                                  int rank, int i, int count) {
     constexpr int kPartFloats = kBlockFloats / kWarpgroups;
     bool const leader = cute::elect_one_sync();
     int* semaphore = params.semaphores + block_index;
     if (leader) { wait_turn(params, semaphore, rank); }
     CUTLASS_PRAGMA_UNROLL
     for (int wg = 0; wg < kWarpgroups; ++wg) {
-      cutlass::arch::NamedBarrier::sync(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQFull0) + wg);
+      cutlass::arch::NamedBarrier::sync(kHalfBarrierThreads, full_barrier(wg));
       if (leader) {
-        bulk_reduce_add(params.accum + block_index * kBlockFloats + wg * kPartFloats, storage.smem_dq[0] + wg * kPartFloats,
+        bulk_reduce_add(params.accum + block_index * kBlockFloats + wg * kPartFloats, storage.smem_dq + wg * kPartFloats,
                         kPartFloats * int(sizeof(float)));
         tma_store_arrive();
       }
@@ -169,7 +128,7 @@ struct DqAccumulator {
         if (wg == 0) { tma_store_wait<kWarpgroups - 1>(); } else { tma_store_wait<0>(); }
       }
       __syncwarp();
-      if (i + 1 < count) { cutlass::arch::NamedBarrier::arrive(kHalfBarrierThreads, uint32_t(BwdNamedBarriers::kdQEmpty0) + wg); }
+      if (i + 1 < count) { cutlass::arch::NamedBarrier::arrive(kHalfBarrierThreads, empty_barrier(wg)); }
     }
     if (leader) { pass_turn(params, semaphore, rank); }
   }

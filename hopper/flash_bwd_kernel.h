@@ -43,7 +43,7 @@ struct BwdKernel {
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr bool kDqFromRegisters = Mainloop::kDqFromRegisters;
 
-  using DqAccum = DqAccumulator<kBlockM, kHeadDim, kNumMmaThreads, Config::kDqPerWarpgroup>;
+  using DqAccum = DqAccumulator<kBlockM, kHeadDim, kNumMmaThreads, /*kStaged=*/!kDqFromRegisters>;
   using Epilogue = BwdEpilogue<Element, kBlockN, kHeadDim, typename Mainloop::SmemLayoutK, typename Mainloop::TiledMmadKV,
                                kNumMmaThreads, Mainloop::kTransposedDkv>;
   // K/V blocks in order: with a causal mask the first blocks see the most queries (longest first).
@@ -177,7 +177,7 @@ struct BwdKernel {
                                                                             dq_rank(i), slice);
                       } else {
                         static_assert(Mainloop::kDqSlices == 1, "staged dQ: one fragment per query block");
-                        DqAccum::consumer_store(storage.dq, tdQrdQ, thread_idx, i);
+                        DqAccum::consumer_store(storage.dq, tdQrdQ, thread_idx);
                       }
                     });
       CUTLASS_PRAGMA_UNROLL

@@ -67,7 +67,6 @@ struct BwdLauncher {
   using Workspace = BwdWorkspace<Config::kBlockM, Config::kBlockN, kHeadDim>;
   using Preprocess = BwdPreprocess<Element, Config::kBlockM>;
   using Postprocess = BwdPostprocess<Element, Config::kBlockM, kHeadDim, typename Kernel::Mainloop::TiledMmadQ,
-                                     typename Kernel::Mainloop::DqTile, Kernel::Mainloop::kDqTransposed,
                                      Kernel::kNumMmaThreads, typename Kernel::DqAccum>;
 
   static size_t workspace_bytes(BwdParams const& p) { return Workspace(p).total(); }

@@ -42,7 +42,7 @@ struct BwdMainloop {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStagesQ = Config::kStagesQ;
   static constexpr int kStagesdO = Config::kStagesdO;
-  static constexpr int kStagesdS = Config::kStagesdS;  // dS^T buffers, used with Q's stages in turn where 2
+  static constexpr int kStagesdS = Config::kStagesdS;  // dS^T buffers, used with Q's stages in turn
   static constexpr bool kIsCausal = Config::kIsCausal;
   static constexpr int kNumMmaWarpGroups = Config::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
@@ -58,26 +58,13 @@ struct BwdMainloop {
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
   // dQ = dS K: (queries, head dim) over the keys, both operands MN-major; the warpgroups split the head dim.
-  // A query block that is not a multiple of GMMA's M (64) computes dQ^T = K^T dS^T instead: (head dim,
-  // queries), the same two shared-memory operands in swapped roles, and the postprocess reads it transposed.
+  // The postprocess reads the accumulator back through it.
   static constexpr int kHeadDimPerWarpGroup = kHeadDim / kNumMmaWarpGroups;
-  static constexpr bool kDqTransposed = kBlockM % 64 != 0;
-  static constexpr auto make_tiled_mma_dq() {
-    if constexpr (kDqTransposed) {
-      return make_tiled_mma(
-          ss_gmma<Element, ElementAccum, Shape<Int<kHeadDimPerWarpGroup>, Int<kBlockM>, Int<kBlockN>>,
-                               GMMA::Major::MN, GMMA::Major::MN>(),
-          Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{});
-    } else {
-      return make_tiled_mma(
-          ss_gmma<Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDimPerWarpGroup>, Int<kBlockN>>,
-                               GMMA::Major::MN, GMMA::Major::MN>(),
-          Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{});
-    }
-  }
-  using TiledMmadQ = decltype(make_tiled_mma_dq());
-  // dQ's tile as its GEMM computes it (the postprocess reads the accumulator through it).
-  using DqTile = std::conditional_t<kDqTransposed, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
+  static_assert(kBlockM % 64 == 0, "query blocks in multiples of 64: dQ's GEMM has the queries as GMMA's M");
+  using TiledMmadQ = decltype(make_tiled_mma(
+      ss_gmma<Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDimPerWarpGroup>, Int<kBlockN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
 
   // K's swizzle atom spans at most one warpgroup's share of the head dim, so that each warpgroup's half of
   // K^T (dQ's B operand) starts on an atom. V shares the layout: dK and dV are staged in these buffers.
@@ -134,16 +121,8 @@ struct BwdMainloop {
     Tensor tdPrdO = thread_mma_sdp.partition_fragment_B(sdO);
     Tensor tdVrdO = thread_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stages)
     Tensor tdKrQ = thread_mma_dkv.partition_fragment_B(sQt);
-    // dQ's operands: dS (queries, keys) and K^T (head dim, keys), as A and B, or B and A when transposed.
-    auto dq_operands = [&] {
-      if constexpr (kDqTransposed) {
-        return cute::make_tuple(thread_mma_dq.partition_fragment_A(sKt), thread_mma_dq.partition_fragment_B(sdSt));
-      } else {
-        return cute::make_tuple(thread_mma_dq.partition_fragment_A(sdSt), thread_mma_dq.partition_fragment_B(sKt));
-      }
-    }();
-    auto tdQrA = get<0>(dq_operands);
-    auto tdQrB = get<1>(dq_operands);
+    Tensor tdQrdS = thread_mma_dq.partition_fragment_A(sdSt);  // (MMA, MMA_M, MMA_K, buffers)
+    Tensor tdQrKt = thread_mma_dq.partition_fragment_B(sKt);
 
     auto const tile_sdp = Shape<Int<kBlockN>, Int<kBlockM>>{};
     Tensor tSrS = partition_fragment_C(tiled_mma_sdp, tile_sdp);    // S^T, then P^T in place
@@ -154,15 +133,7 @@ struct BwdMainloop {
     Tensor tdPrdS16 = make_tensor_like<Element>(tdPrdP);
     Tensor tdVrP = make_tensor(tSrP16.data(), acc_layout_to_a_regs<Element>(tSrP16.layout()));
     Tensor tdKrdS = make_tensor(tdPrdS16.data(), acc_layout_to_a_regs<Element>(tdPrdS16.layout()));
-    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, DqTile{});
-    // dQ's GEMM over dS^T buffer `ds_stage` (the dS operand carries the buffers' mode).
-    auto gemm_dq = [&](int ds_stage) __attribute__((always_inline)) {
-      if constexpr (kDqTransposed) {
-        warpgroup_gemm<-1>(tiled_mma_dq, tdQrA, tdQrB(_, _, _, ds_stage), tdQrdQ, /*zero_init=*/true);
-      } else {
-        warpgroup_gemm<-1>(tiled_mma_dq, tdQrA(_, _, _, ds_stage), tdQrB, tdQrdQ, /*zero_init=*/true);
-      }
-    };
+    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
 
     auto smem_tiled_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_sdp);
     auto smem_thread_copy_ds = smem_tiled_copy_ds.get_thread_slice(thread_idx);
@@ -184,14 +155,13 @@ struct BwdMainloop {
 
     // Q and dO advance together here (one state: a second one cost ptxas an 8-byte spill at d128).
     static_assert(kStagesQ == kStagesdO);
-    static_assert(kStagesdS == 1 || kStagesdS == kStagesQ, "dS^T buffers follow Q's stages");
+    static_assert(kStagesdS == kStagesQ, "dS^T buffers follow Q's stages");
     typename Loads::PipelineStateQ read_state;
     bool zero_init_dkv = true;
     auto step = [&](int i, auto masked) __attribute__((always_inline)) {
       constexpr bool kMasked = decltype(masked)::value;
       int const m_block = work.m_block(i);
       int const stage = read_state.index();
-      int const ds_stage = kStagesdS == 1 ? 0 : stage;
       pipeline_q.consumer_wait(read_state);
       warpgroup_gemm<-1>(tiled_mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS, /*zero_init=*/true);
       pipeline_do.consumer_wait(read_state);
@@ -245,13 +215,13 @@ struct BwdMainloop {
       // dV's GEMM is issued only now: issued before the dP^T wait, to overlap the dS math, it measured
       // 2-6% slower (perf-notes section 12). It runs while dS^T is stored and both warpgroups meet.
       warpgroup_gemm<-1>(tiled_mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV, zero_init_dkv);
-      // This dS^T buffer is free: with one buffer both warpgroups are past the last dQ GEMM (store_dq's barrier
-      // joins them after it); with two, the dQ GEMM two blocks back, which both passed before the last kdSReady.
-      copy(smem_tiled_copy_ds, tdSrdS_copy, tdSsdS(_, _, _, ds_stage));
+      // This dS^T buffer is free: its last reader, the dQ GEMM two blocks back, is done in both warpgroups
+      // (each waited for it before the last kdSReady).
+      copy(smem_tiled_copy_ds, tdSrdS_copy, tdSsdS(_, _, _, stage));
       cutlass::arch::fence_view_async_shared();  // dS^T written by stmatrix, read next by GMMA
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdNamedBarriers::kdSReady));
       // dQ before dK, so that dQ is handed over while dK's GEMM runs.
-      gemm_dq(ds_stage);
+      warpgroup_gemm<-1>(tiled_mma_dq, tdQrdS(_, _, _, stage), tdQrKt, tdQrdQ, /*zero_init=*/true);
       warpgroup_gemm<-1>(tiled_mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK, zero_init_dkv);
       zero_init_dkv = false;
       warpgroup_wait<1>();  // dV and dQ done: this stage of dO is read

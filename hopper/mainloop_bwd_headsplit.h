@@ -66,10 +66,9 @@ struct BwdMainloopHeadSplit {
       ss_gmma<Element, ElementAccum, Shape<Int<kBlockM>, Int<kDqSliceCols / kNumMmaWarpGroups>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
-  static constexpr bool kDqTransposed = false;
-  // dQ's tile as its GEMMs compute it. Through TiledMmadQ (one slice wide) a thread's fragment of the whole
-  // tile is its fragments of the slices one after the other: the order in which they reach the accumulator.
-  using DqTile = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  // Through TiledMmadQ (one slice wide) a thread's fragment of the whole (queries, head dim) tile is its
+  // fragments of the slices one after the other: the order in which they reach the accumulator, and in which
+  // the postprocess reads them back.
   using DqSliceTile = Shape<Int<kBlockM>, Int<kDqSliceCols>>;
   // The accumulators of dK and dV are (head dim, keys): the epilogue writes them transposed.
   static constexpr bool kTransposedDkv = true;

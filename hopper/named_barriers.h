@@ -15,8 +15,8 @@ enum class FwdNamedBarriers : uint32_t {
 enum class BwdNamedBarriers : uint32_t {
   kdSReady = 0,   // both consumer warpgroups wrote their dS^T rows to shared memory
   kEpilogue = 1,  // dK/dV staging in K's and V's buffers
-  kdQEmpty0 = 2,  // + buffer (or + consumer warpgroup, dQ staged per warpgroup): the staging buffer may be written
-  kdQFull0 = 4,   // + buffer (or + consumer warpgroup): the staging buffer holds a query block's contribution
+  kdQEmpty0 = 2,  // + consumer warpgroup: its half of the dQ staging buffer may be written
+  kdQFull0 = 4,   // + consumer warpgroup: its half of the staging buffer holds a query block's contribution
   kdQOwned = 6,   // deterministic dQ from registers: this CTA's turn to add to the accumulator block
 };
 

@@ -203,8 +203,8 @@ struct BwdConfig {
   // Queries per step. d64: 128, twice the GEMM work per barrier and per load (+5% non-causal, +8% causal
   // at 8k). Otherwise 64: the dK/dV accumulators leave no registers for larger S^T and dP^T tiles (perf-notes
   // section 16). d128 non-causal ran 80 (+0-4% at 8k, +7% at 2k against 64 then), until 64 with dQ staged per
-  // warpgroup beat it by 2-7% at 512-8k (section 56). 80-row blocks (variant builds) compute dQ transposed
-  // (mainloop_bwd.h's kDqTransposed).
+  // warpgroup beat it by 2-7% at 512-8k (section 56), after which 80-row blocks (dQ computed transposed) were
+  // removed: dQ's GEMM has the queries as GMMA's M, so blocks are multiples of 64 (mainloop_bwd.h).
   static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
 #endif
 #if defined(FLASH_EXT_BWD_TILE_N)
@@ -226,18 +226,12 @@ struct BwdConfig {
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  // dQ staged per consumer warpgroup (dq_accumulator.h): each warpgroup's part is added, and its buffer handed
-  // back, on its own, so the warpgroups do not wait for each other there. That needs two dS^T buffers: a
-  // warpgroup may write the next block's dS^T while the other's dQ GEMM still reads this one. d64 +3-5%, d96
-  // +3-5%, d128 causal +1-2% (perf-notes section 55); d128 non-causal, with 64-row blocks, +1-3% over shared
-  // staging (section 56; on 80-row blocks, dQ computed transposed, it was 10% slower). Not d256: its dQ goes from
-  // registers.
-#if defined(FLASH_EXT_DQ_PER_WG)
-  static constexpr bool kDqPerWarpgroup = FLASH_EXT_DQ_PER_WG && !kHeadSplit;  // variant builds (A/B)
-#else
-  static constexpr bool kDqPerWarpgroup = !kHeadSplit;
-#endif
-  static constexpr int kStagesdS = kDqPerWarpgroup ? 2 : 1;
+  // dS^T buffers up to d128 (mainloop_bwd.h), one per Q stage: dQ is staged per consumer warpgroup
+  // (dq_accumulator.h), each warpgroup's part added, and handed back, on its own, so a warpgroup may write the
+  // next block's dS^T while the other's dQ GEMM still reads this one. Against staging the whole block with one
+  // dS^T buffer: d64 +3-5%, d96 +3-5%, d128 causal +1-2% (perf-notes section 55), d128 non-causal +1-3%
+  // (section 56). (Beyond d128 dQ goes from registers; the head-split mainloop has its own dS buffers.)
+  static constexpr int kStagesdS = kStagesQ;
 };
 
 }  // namespace flash
