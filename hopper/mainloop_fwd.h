@@ -302,6 +302,12 @@ struct FwdMainloop {
     }
   }
 
+  // The thread slice GEMM operand descriptors are taken from: the warpgroup's, broadcast (utils.h's
+  // warpgroup_slice_idx), where Config::kUniformQDescriptors, else the thread's own.
+  __device__ static int descriptor_slice_idx(int thread_idx) {
+    return Config::kUniformQDescriptors ? warpgroup_slice_idx(thread_idx) : thread_idx;
+  }
+
   // FP8, transposing warps (thread_idx 0 .. kNumTransposeThreads - 1): every staged V block of one tile,
   // in the TMA's order, into V^T, each handed to the consumers as soon as it is written. The stages and
   // phases of both buffers follow from the count of blocks transposed before (`blocks_before`: the CTA's
@@ -525,15 +531,15 @@ struct FwdMainloop {
     // GEMM operands in shared memory, as descriptors: Q buffer `q_stage`, K's and V^T's stages.
     CUTE_DEVICE auto frag_q(int q_stage) const {
       Tensor sQ = make_tensor(make_smem_ptr(smem_q(tensors, q_stage)), SmemLayoutQ{});
-      return TiledMmaQK{}.get_thread_slice(thread_idx).partition_fragment_A(sQ);
+      return TiledMmaQK{}.get_thread_slice(descriptor_slice_idx(thread_idx)).partition_fragment_A(sQ);
     }
     CUTE_DEVICE auto frag_k() const {  // (MMA, MMA_N, MMA_K, stages)
       Tensor sK = make_tensor(make_smem_ptr(tensors.smem_k.data()), SmemLayoutK{});
-      return TiledMmaQK{}.get_thread_slice(thread_idx).partition_fragment_B(sK);
+      return TiledMmaQK{}.get_thread_slice(descriptor_slice_idx(thread_idx)).partition_fragment_B(sK);
     }
     CUTE_DEVICE auto frag_vt() const {  // (MMA, MMA_N, MMA_K, stages)
       Tensor sVt = make_tensor(make_smem_ptr(smem_vt(tensors)), SmemLayoutVt{});
-      return TiledMmaPV{}.get_thread_slice(thread_idx).partition_fragment_B(sVt);
+      return TiledMmaPV{}.get_thread_slice(descriptor_slice_idx(thread_idx)).partition_fragment_B(sVt);
     }
 
     // The scores of a tile's first block (the last in key order: the only one that can be partial in seqlen_k),
@@ -652,8 +658,9 @@ struct FwdMainloop {
 
     TiledMmaQK tiled_mma_qk;
     TiledMmaPV tiled_mma_pv;
-    auto thread_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
-    auto thread_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+    // Slices for the shared-memory operands' descriptors only (descriptor_slice_idx).
+    auto thread_mma_qk = tiled_mma_qk.get_thread_slice(descriptor_slice_idx(thread_idx));
+    auto thread_mma_pv = tiled_mma_pv.get_thread_slice(descriptor_slice_idx(thread_idx));
     Tensor tSrQ = thread_mma_qk.partition_fragment_A(sQ);    // descriptors
     Tensor tSrK = thread_mma_qk.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stages)
     Tensor tOrV = thread_mma_pv.partition_fragment_B(sVt);   // (MMA, MMA_N, MMA_K, stages)

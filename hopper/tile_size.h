@@ -169,6 +169,16 @@ struct FwdConfig {
 #else
   static constexpr bool kSoftmaxUnderGemm1 = !kIsFp8 && kHeadDim == 256 && !kIsCausal && kLongTiles;
 #endif
+  // GEMM0's Q descriptors from a warpgroup index the compiler knows is uniform (utils.h's warpgroup_slice_idx), so
+  // that they stay in uniform registers instead of regular ones moved there before each GEMM (R2UR). FP8 d128: its
+  // 32-byte spill (those descriptors, reloaded every block) and its softcapped tiles' 12 bytes are gone, at the same
+  // speed (-1% to +2%). Elsewhere it measured -1% to -3% (16-bit d64), +1-3% at 1k-4k and -2% from 8k (16-bit d128
+  // non-causal), and FP8 d256 spilled with it (perf-notes section 57).
+#ifdef FLASH_EXT_UNIFORM_Q_DESCRIPTORS  // variant builds (A/B)
+  static constexpr bool kUniformQDescriptors = FLASH_EXT_UNIFORM_Q_DESCRIPTORS;
+#else
+  static constexpr bool kUniformQDescriptors = kIsFp8 && kHeadDim == 128;
+#endif
   // O rescaled only where a row's max moved by more than softmax.h's kLazyThreshold (Softmax::kLazyRescale).
   // It pays where O's rescale is largest against the rest of a step: 16-bit d256 +2-5% in both masks, FP8 causal
   // d128 +2-4% and d256 (V transposed) -1% to +3%. 16-bit d64 and d128 lose 1-4% (the vote and the branch cost

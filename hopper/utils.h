@@ -210,6 +210,15 @@ __device__ __forceinline__ int opaque_thread_idx() {
   return tid - cutlass::NumThreadsPerWarpGroup;
 }
 
+// A GMMA thread slice index for shared-memory operands: the first thread of the caller's warpgroup, from a
+// warpgroup index broadcast from lane 0, so that ptxas knows it is the same across the warp. The descriptors a
+// warpgroup's slice yields (one per warpgroup) are then uniform values; sliced by the thread's own index, the
+// A operand's (split over the warpgroups) were held in regular registers and moved to uniform ones before every
+// GMMA (R2UR), and spilled in FP8 d128 (perf-notes section 57). FA3 slices the same way.
+__device__ __forceinline__ int warpgroup_slice_idx(int thread_idx) {
+  return __shfl_sync(0xffffffffu, thread_idx / cutlass::NumThreadsPerWarpGroup, 0) * cutlass::NumThreadsPerWarpGroup;
+}
+
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // Floor division that is right for negative numerators too.
