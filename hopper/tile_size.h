@@ -175,11 +175,13 @@ struct FwdConfig {
   // speed (-1% to +2%). Elsewhere it measured -1% to -3% (16-bit d64), +1-3% at 1k-4k and -2% from 8k (16-bit d128
   // non-causal); FP8 d256 causal spilled 40 bytes with it instead of 4 (perf-notes section 57). FP8 d256
   // non-causal: its spill, reloaded in the step loop, 56 -> 4 bytes (column-major V: 16 -> 0), +0.4% to +3%
-  // (perf-notes section 58).
+  // (perf-notes section 58). FP8 d256 causal with column-major V: its 24-byte spill gone, at the same speed (-2% to
+  // +2%, outputs bitwise equal; perf-notes section 59); with V row-major (transposed) it would spill 40 bytes.
 #ifdef FLASH_EXT_UNIFORM_Q_DESCRIPTORS  // variant builds (A/B)
   static constexpr bool kUniformQDescriptors = FLASH_EXT_UNIFORM_Q_DESCRIPTORS;
 #else
-  static constexpr bool kUniformQDescriptors = kIsFp8 && (kHeadDim == 128 || (kHeadDim == 256 && !kIsCausal));
+  static constexpr bool kUniformQDescriptors =
+      kIsFp8 && (kHeadDim == 128 || (kHeadDim == 256 && (!kIsCausal || kVColMajor)));
 #endif
   // O rescaled only where a row's max moved by more than softmax.h's kLazyThreshold (Softmax::kLazyRescale).
   // It pays where O's rescale is largest against the rest of a step: 16-bit d256 +2-5% in both masks, FP8 causal
