@@ -177,11 +177,14 @@ struct FwdConfig {
   // non-causal: its spill, reloaded in the step loop, 56 -> 4 bytes (column-major V: 16 -> 0), +0.4% to +3%
   // (perf-notes section 58). FP8 d256 causal with column-major V: its 24-byte spill gone, at the same speed (-2% to
   // +2%, outputs bitwise equal; perf-notes section 59); with V row-major (transposed) it would spill 40 bytes.
+  // 16-bit d128 non-causal, chained and mid-length tiles: +2-3% at 2k, +0.4-2.4% at 3k-4k, level at 512-1k, and the
+  // chained kernel's 8-byte spill gone; the long 128x176 tiles lose 1-3% with it (perf-notes section 59).
 #ifdef FLASH_EXT_UNIFORM_Q_DESCRIPTORS  // variant builds (A/B)
   static constexpr bool kUniformQDescriptors = FLASH_EXT_UNIFORM_Q_DESCRIPTORS;
 #else
   static constexpr bool kUniformQDescriptors =
-      kIsFp8 && (kHeadDim == 128 || (kHeadDim == 256 && (!kIsCausal || kVColMajor)));
+      kIsFp8 ? kHeadDim == 128 || (kHeadDim == 256 && (!kIsCausal || kVColMajor))
+             : kHeadDim == 128 && !kIsCausal && kTiles_ != FwdTiles::kLong;
 #endif
   // O rescaled only where a row's max moved by more than softmax.h's kLazyThreshold (Softmax::kLazyRescale).
   // It pays where O's rescale is largest against the rest of a step: 16-bit d256 +2-5% in both masks, FP8 causal
